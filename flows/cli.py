@@ -1,0 +1,132 @@
+"""The `eagle3` command line: one entry point for every stage and for reading the lineage store.
+
+Promises: config errors name the file and field and exit 2; lineage errors (missing store,
+refused statement) exit 2 with one clear line; stage commands run as Prefect flows on a real API
+(PREFECT_API_URL, or a local server started once and left running for the UI).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from storage.lineage import LineageError, LineageStore
+from tasks.config import ConfigError, PipelineConfig, load_config
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="EAGLE-3 data-scaling pipeline.")
+console = Console()
+err = Console(stderr=True)
+
+ConfigOpt = typer.Option(Path("configs/demo.yaml"), "--config", "-c", help="YAML config (validated).")
+WorkspaceOpt = typer.Option(None, "--workspace", "-w", help="Workspace folder; overrides the config's.")
+
+
+class OutputFormat(str, Enum):
+    table = "table"
+    csv = "csv"
+    json = "json"
+
+
+def _config(path: Path, workspace: str | None) -> PipelineConfig:
+    try:
+        return load_config(path, workspace)
+    except ConfigError as e:
+        err.print(f"[red]{e}[/red]", highlight=False)
+        raise typer.Exit(2) from None
+
+
+def _store(config: Path, workspace: str | None) -> LineageStore:
+    ws = workspace if workspace is not None else _config(config, None).workspace
+    return LineageStore(Path(ws) / "lineage.duckdb")
+
+
+def _print_rows(cols: list[str], rows: list[tuple], fmt: OutputFormat, title: str | None = None) -> None:
+    if fmt is OutputFormat.csv:
+        w = csv.writer(sys.stdout)
+        w.writerow(cols)
+        w.writerows(rows)
+    elif fmt is OutputFormat.json:
+        print(json.dumps([dict(zip(cols, r)) for r in rows], default=str, ensure_ascii=False, indent=1))
+    else:
+        t = Table(title=title)
+        for c in cols:
+            t.add_column(c)
+        for r in rows:
+            t.add_row(*["" if v is None else str(v) for v in r])
+        console.print(t)
+
+
+def _run_flow(fn, *args, **kwargs):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.prefect_api import resolve_api_url
+
+    url = resolve_api_url()
+    console.print(f"Prefect API: {url} (UI: {url.removesuffix('/api')})", highlight=False)
+    with temporary_settings({PREFECT_API_URL: url}):
+        return fn(*args, **kwargs)
+
+
+@app.command()
+def discover(config: Path = ConfigOpt, workspace: Optional[str] = WorkspaceOpt) -> None:
+    """Read the source catalog; keep new, clean, unique, uncontaminated prompts."""
+    from flows.discover import discover as discover_flow, outcome_table
+
+    cfg = _config(config, workspace)
+    summary = _run_flow(discover_flow, cfg.discover)
+    t = Table(title=f"discover run {summary.run_id}")
+    t.add_column("outcome")
+    t.add_column("records", justify="right")
+    for row in outcome_table(summary):
+        t.add_row(row["outcome"], f"{row['records']:,}")
+    console.print(t)
+    for line in summary.truncated_sources:
+        console.print(f"[yellow]stopped early[/yellow] {line}", highlight=False)
+    if summary.top_quarantine_reasons:
+        console.print("top quarantine reasons: " + "; ".join(f"{why} ({n})" for why, n in summary.top_quarantine_reasons[:5]), highlight=False)
+    ok = "reconcile" if summary.reconciles else "DO NOT reconcile"
+    console.print(f"counts {ok}: {summary.records_in:,} in = " + " + ".join(f"{summary.outcomes.get(k, 0):,} {k}" for k in ("kept", "exact_duplicate", "near_duplicate", "contaminated", "quarantined")), highlight=False)
+    console.print(f"{summary.stored_prompts:,} prompts in {summary.dataset}\nlineage: {summary.lineage_db}", highlight=False)
+
+
+@app.command()
+def sql(
+    query: str = typer.Argument(..., help="Read-only SQL on the lineage store (views: record_outcomes, progress)."),
+    config: Path = ConfigOpt,
+    workspace: Optional[str] = WorkspaceOpt,
+    format: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f"),
+) -> None:
+    """Run read-only SQL on the lineage store; write statements are refused."""
+    try:
+        cols, rows = _store(config, workspace).query_readonly(query)
+    except LineageError as e:
+        err.print(f"[red]{e}[/red]", highlight=False)
+        raise typer.Exit(2) from None
+    _print_rows(cols, rows, format)
+
+
+@app.command()
+def status(
+    config: Path = ConfigOpt,
+    workspace: Optional[str] = WorkspaceOpt,
+    format: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f"),
+) -> None:
+    """Per-stage progress: done, pending, failed, tokens, rate, ETA."""
+    try:
+        cols, rows = _store(config, workspace).progress()
+    except LineageError as e:
+        err.print(f"[red]{e}[/red]", highlight=False)
+        raise typer.Exit(2) from None
+    _print_rows(cols, rows, format, title="progress")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,479 @@
+"""The DuckDB lineage and progress store: the only module that speaks SQL.
+
+Owns the schema (versioned migrations), the public views (`record_outcomes`, `progress`), and
+every read and write of the lineage file. Promises:
+- Writers hold the file only for one short transaction, under an exclusive cross-process file
+  lock, and retry while another process holds DuckDB's own lock; no process keeps it open for a
+  whole stage, so flows in separate Prefect processes and `eagle3 sql` can interleave.
+- A write is one transaction: after a crash, `kill -9` included, it is there whole or not at all.
+- Readers open the file read-only; `query_readonly` refuses any statement that is not a query.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import random
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterator
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+OUTCOMES = ("kept", "exact_duplicate", "near_duplicate", "contaminated", "quarantined")
+
+MIGRATIONS: list[tuple[int, str, str]] = [
+    (
+        1,
+        "runs, records, prompts, near-dedupe index; views record_outcomes and progress",
+        """
+        CREATE TABLE runs (
+            run_id VARCHAR PRIMARY KEY,
+            flow VARCHAR NOT NULL,
+            flow_run_id VARCHAR,
+            git_sha VARCHAR,
+            config_hash VARCHAR,
+            parameters JSON,
+            state VARCHAR NOT NULL,
+            started_at TIMESTAMPTZ NOT NULL,
+            ended_at TIMESTAMPTZ,
+            summary JSON
+        );
+        CREATE TABLE source_reads (
+            run_id VARCHAR NOT NULL,
+            source VARCHAR NOT NULL,
+            location VARCHAR NOT NULL,
+            records BIGINT NOT NULL,
+            unreadable BIGINT NOT NULL,
+            complete BOOLEAN NOT NULL,
+            stop_reason VARCHAR,
+            notes VARCHAR
+        );
+        CREATE TABLE records (
+            source VARCHAR NOT NULL,
+            record_key VARCHAR NOT NULL,
+            native_id VARCHAR,
+            outcome VARCHAR NOT NULL,
+            reason VARCHAR,
+            prompt_id VARCHAR,
+            duplicate_of VARCHAR,
+            eval_item VARCHAR,
+            similarity FLOAT,
+            run_id VARCHAR NOT NULL,
+            recorded_at TIMESTAMPTZ NOT NULL,
+            PRIMARY KEY (source, record_key)
+        );
+        CREATE TABLE prompts (
+            prompt_id VARCHAR PRIMARY KEY,
+            messages STRUCT(role VARCHAR, content VARCHAR)[] NOT NULL,
+            n_turns INTEGER NOT NULL,
+            chars INTEGER NOT NULL,
+            source VARCHAR NOT NULL,
+            record_key VARCHAR NOT NULL,
+            format VARCHAR NOT NULL,
+            run_id VARCHAR NOT NULL,
+            created_at TIMESTAMPTZ NOT NULL
+        );
+        CREATE TABLE prompt_minhash (
+            prompt_id VARCHAR NOT NULL,
+            params VARCHAR NOT NULL,
+            signature BLOB NOT NULL,
+            PRIMARY KEY (prompt_id, params)
+        );
+        CREATE TABLE prompt_lsh_bands (
+            params VARCHAR NOT NULL,
+            band SMALLINT NOT NULL,
+            bucket UBIGINT NOT NULL,
+            prompt_id VARCHAR NOT NULL
+        );
+        CREATE INDEX prompt_lsh_bands_bucket ON prompt_lsh_bands (params, band, bucket);
+        CREATE VIEW record_outcomes AS
+            SELECT r.source, r.record_key, r.native_id, r.outcome,
+                   r.reason, r.duplicate_of, r.eval_item, r.similarity, r.prompt_id,
+                   r.run_id, r.recorded_at
+            FROM records r;
+        CREATE VIEW progress AS
+            WITH last_discover AS (
+                SELECT run_id, started_at, ended_at FROM runs
+                WHERE flow = 'discover' AND ended_at IS NOT NULL
+                ORDER BY ended_at DESC LIMIT 1
+            ), last_counts AS (
+                SELECT count(*) AS n FROM records WHERE run_id = (SELECT run_id FROM last_discover)
+            )
+            SELECT 'discover' AS stage,
+                   count(*) FILTER (WHERE outcome <> 'quarantined') AS done,
+                   0::BIGINT AS pending,
+                   count(*) FILTER (WHERE outcome = 'quarantined') AS failed,
+                   NULL::BIGINT AS tokens,
+                   (SELECT n / greatest(epoch(ended_at) - epoch(started_at), 1e-3)
+                      FROM last_discover, last_counts) AS rate_per_s,
+                   NULL::INTERVAL AS eta
+            FROM records;
+        """,
+    ),
+]
+
+
+class LineageError(RuntimeError):
+    """A lineage store problem a user can act on (missing file, refused statement)."""
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@dataclass
+class StoreLocking:
+    lock_timeout_s: float = 600.0
+    open_retry_s: float = 120.0
+
+
+class LineageStore:
+    def __init__(self, path: str | Path, locking: StoreLocking | None = None):
+        self.path = Path(path)
+        self.lock_path = self.path.with_name(self.path.name + ".lock")
+        self.locking = locking or StoreLocking()
+        self._migrated = False
+
+    # ------------------------------------------------------------ connections
+
+    @contextmanager
+    def _flock(self, exclusive: bool) -> Iterator[None]:
+        self.lock_path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+        deadline = time.monotonic() + self.locking.lock_timeout_s
+        delay = 0.005
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, mode)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise LineageError(
+                            f"lineage store {self.path} stayed locked by another process for "
+                            f"{self.locking.lock_timeout_s:.0f} s"
+                        ) from None
+                    time.sleep(delay * (1 + random.random()))
+                    delay = min(delay * 2, 0.25)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the lock
+
+    def _connect(self, read_only: bool) -> duckdb.DuckDBPyConnection:
+        # DuckDB's own file lock can still be held by a process that does not use our lock
+        # file (an interactive `duckdb` shell, say): retry with backoff instead of failing.
+        deadline = time.monotonic() + self.locking.open_retry_s
+        delay = 0.01
+        while True:
+            try:
+                return duckdb.connect(str(self.path), read_only=read_only)
+            except duckdb.IOException as e:
+                if "lock" not in str(e).lower() or time.monotonic() > deadline:
+                    raise
+                time.sleep(delay * (1 + random.random()))
+                delay = min(delay * 2, 1.0)
+
+    @contextmanager
+    def write(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """One transaction on the file, under the exclusive lock; committed on success."""
+        with self._flock(exclusive=True):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            con = self._connect(read_only=False)
+            try:
+                if not self._migrated:
+                    self._migrate(con)
+                con.execute("BEGIN TRANSACTION")
+                try:
+                    yield con
+                    con.execute("COMMIT")
+                except BaseException:
+                    con.execute("ROLLBACK")
+                    raise
+            finally:
+                con.close()
+
+    @contextmanager
+    def read(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        if not self.path.exists():
+            raise LineageError(f"no lineage store at {self.path}: run a stage (eagle3 discover) first")
+        with self._flock(exclusive=False):
+            con = self._connect(read_only=True)
+            try:
+                yield con
+            finally:
+                con.close()
+
+    def _migrate(self, con: duckdb.DuckDBPyConnection) -> None:
+        con.execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations "
+            "(version INTEGER PRIMARY KEY, description VARCHAR, applied_at TIMESTAMPTZ)"
+        )
+        done = {v for (v,) in con.execute("SELECT version FROM schema_migrations").fetchall()}
+        for version, description, sql in MIGRATIONS:
+            if version in done:
+                continue
+            con.execute("BEGIN TRANSACTION")
+            try:
+                con.execute(sql)
+                con.execute("INSERT INTO schema_migrations VALUES (?, ?, ?)", [version, description, _now()])
+                con.execute("COMMIT")
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+        self._migrated = True
+
+    def schema_version(self) -> int:
+        with self.read() as con:
+            return con.execute("SELECT max(version) FROM schema_migrations").fetchall()[0][0]
+
+    # ------------------------------------------------------------ runs
+
+    def begin_run(self, flow: str, parameters: dict, config_hash: str, flow_run_id: str | None, git_sha: str | None) -> str:
+        run_id = uuid.uuid4().hex
+        with self.write() as con:
+            con.execute(
+                "INSERT INTO runs (run_id, flow, flow_run_id, git_sha, config_hash, parameters, state, started_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, 'RUNNING', ?)",
+                [run_id, flow, flow_run_id, git_sha, config_hash, json.dumps(parameters, default=str), _now()],
+            )
+        return run_id
+
+    def finish_run(self, run_id: str, state: str, summary: dict | None = None) -> None:
+        with self.write() as con:
+            con.execute(
+                "UPDATE runs SET state = ?, ended_at = ?, summary = ? WHERE run_id = ?",
+                [state, _now(), json.dumps(summary or {}, default=str), run_id],
+            )
+
+    def record_source_reads(self, run_id: str, reads: list[dict]) -> None:
+        if not reads:
+            return
+        rows = pa.Table.from_pylist([{**r, "run_id": run_id} for r in reads])
+        with self.write() as con:
+            con.register("reads_in", rows)
+            con.execute(
+                "INSERT INTO source_reads SELECT run_id, source, location, records, unreadable, "
+                "complete, stop_reason, notes FROM reads_in"
+            )
+
+    # ------------------------------------------------------------ discover: lookups
+
+    def seen_record_keys(self, source: str) -> set[str]:
+        if not self.path.exists():
+            return set()
+        with self.read() as con:
+            return {k for (k,) in con.execute("SELECT record_key FROM records WHERE source = ?", [source]).fetchall()}
+
+    def existing_prompt_ids(self, prompt_ids: list[str]) -> set[str]:
+        if not self.path.exists() or not prompt_ids:
+            return set()
+        with self.read() as con:
+            con.register("ids_in", pa.table({"prompt_id": prompt_ids}))
+            rows = con.execute("SELECT DISTINCT p.prompt_id FROM prompts p JOIN ids_in USING (prompt_id)").fetchall()
+        return {r[0] for r in rows}
+
+    def band_collisions(self, params: str, keys: np.ndarray) -> tuple[np.ndarray, list[str]]:
+        """Stored prompts sharing an LSH bucket with batch texts: (batch index, prompt id) pairs."""
+        if not self.path.exists() or keys.size == 0:
+            return np.zeros(0, np.int64), []
+        n, bands = keys.shape
+        probe = pa.table({
+            "idx": np.repeat(np.arange(n, dtype=np.int64), bands),
+            "band": np.tile(np.arange(bands, dtype=np.int16), n),
+            "bucket": keys.reshape(-1),
+        })
+        with self.read() as con:
+            con.register("probe", probe)
+            rows = con.execute(
+                "SELECT DISTINCT p.idx, b.prompt_id FROM probe p JOIN prompt_lsh_bands b "
+                "ON b.params = ? AND b.band = p.band AND b.bucket = p.bucket ORDER BY p.idx, b.prompt_id",
+                [params],
+            ).fetchall()
+        return np.array([r[0] for r in rows], dtype=np.int64), [r[1] for r in rows]
+
+    def minhash_signatures(self, params: str, prompt_ids: list[str], num_perm: int) -> np.ndarray:
+        if not prompt_ids:
+            return np.zeros((0, num_perm), np.uint32)
+        with self.read() as con:
+            con.register("ids_in", pa.table({"prompt_id": prompt_ids, "pos": np.arange(len(prompt_ids))}))
+            rows = con.execute(
+                "SELECT i.pos, m.signature FROM ids_in i JOIN prompt_minhash m "
+                "ON m.prompt_id = i.prompt_id AND m.params = ? ORDER BY i.pos",
+                [params],
+            ).fetchall()
+        if len(rows) != len(prompt_ids):
+            raise LineageError("a stored prompt lost its MinHash signature; rerun discover to backfill")
+        return np.stack([np.frombuffer(sig, dtype=np.uint32) for _, sig in rows])
+
+    def prompts_without_signature(self, params: str) -> tuple[list[str], list[list[dict]]]:
+        """Kept prompts with no signature under these near-dedupe parameters (after a change)."""
+        if not self.path.exists():
+            return [], []
+        with self.read() as con:
+            rows = con.execute(
+                "SELECT p.prompt_id, p.messages FROM prompts p ANTI JOIN "
+                "(SELECT prompt_id FROM prompt_minhash WHERE params = ?) m USING (prompt_id) ORDER BY p.prompt_id",
+                [params],
+            ).fetchall()
+        return [r[0] for r in rows], [r[1] for r in rows]
+
+    # ------------------------------------------------------------ discover: writes
+
+    def write_discover_batch(
+        self,
+        run_id: str,
+        records: list[dict],
+        prompts: list[dict],
+        minhash: tuple[str, list[str], np.ndarray, np.ndarray] | None,
+    ) -> None:
+        """Outcomes, kept prompts and their near-dedupe index, all in one transaction.
+
+        Idempotent: a record or prompt already stored is left as it is, so replaying a batch after
+        a crash adds nothing twice.
+        """
+        now = _now()
+        with self.write() as con:
+            if records:
+                con.register("rec_in", pa.Table.from_pylist([{**r, "run_id": run_id, "recorded_at": now} for r in records]))
+                con.execute(
+                    "INSERT INTO records SELECT source, record_key, native_id, outcome, reason, prompt_id, "
+                    "duplicate_of, eval_item, similarity, run_id, recorded_at FROM rec_in ON CONFLICT DO NOTHING"
+                )
+            if prompts:
+                table = pa.Table.from_pylist(
+                    [{**p, "run_id": run_id, "created_at": now} for p in prompts],
+                    schema=_PROMPT_SCHEMA,
+                )
+                con.register("prm_in", table)
+                con.execute(
+                    "INSERT INTO prompts SELECT prompt_id, messages, n_turns, chars, source, record_key, format, "
+                    "run_id, created_at FROM prm_in ON CONFLICT DO NOTHING"
+                )
+            if minhash is not None:
+                self._insert_minhash(con, *minhash)
+
+    def write_minhash(self, params: str, prompt_ids: list[str], sig: np.ndarray, keys: np.ndarray) -> None:
+        with self.write() as con:
+            self._insert_minhash(con, params, prompt_ids, sig, keys)
+
+    @staticmethod
+    def _insert_minhash(con, params: str, prompt_ids: list[str], sig: np.ndarray, keys: np.ndarray) -> None:
+        if not prompt_ids:
+            return
+        con.register("sig_in", pa.table({
+            "prompt_id": prompt_ids,
+            "signature": [row.tobytes() for row in np.ascontiguousarray(sig, dtype=np.uint32)],
+        }))
+        con.execute(
+            "INSERT INTO prompt_minhash SELECT prompt_id, ?, signature FROM sig_in ON CONFLICT DO NOTHING", [params]
+        )
+        bands = keys.shape[1]
+        con.register("band_in", pa.table({
+            "band": np.tile(np.arange(bands, dtype=np.int16), len(prompt_ids)),
+            "bucket": keys.reshape(-1),
+            "prompt_id": np.repeat(np.array(prompt_ids, dtype=object), bands),
+        }))
+        # Only prompts whose signature was new get bands, so a replayed batch adds none twice.
+        con.execute(
+            "INSERT INTO prompt_lsh_bands SELECT ?, b.band, b.bucket, b.prompt_id FROM band_in b "
+            "WHERE NOT EXISTS (SELECT 1 FROM prompt_lsh_bands x WHERE x.params = ? AND x.prompt_id = b.prompt_id)",
+            [params, params],
+        )
+
+    # ------------------------------------------------------------ reports and exports
+
+    def outcome_counts(self, run_id: str | None = None) -> dict[str, int]:
+        counts = {o: 0 for o in OUTCOMES}
+        if not self.path.exists():
+            return counts
+        with self.read() as con:
+            sql = "SELECT outcome, count(*) FROM records"
+            rows = con.execute(sql + (" WHERE run_id = ? GROUP BY 1" if run_id else " GROUP BY 1"), [run_id] if run_id else []).fetchall()
+        counts.update(dict(rows))
+        return counts
+
+    def quarantine_reasons(self, run_id: str, limit: int = 10) -> list[tuple[str, int]]:
+        with self.read() as con:
+            return con.execute(
+                "SELECT regexp_replace(reason, '[0-9]+', 'N', 'g') AS why, count(*) FROM records "
+                "WHERE run_id = ? AND outcome = 'quarantined' GROUP BY 1 ORDER BY 2 DESC, 1 LIMIT ?",
+                [run_id, limit],
+            ).fetchall()
+
+    def export_prompts(self, target: Path) -> int:
+        """Write every kept prompt to one Parquet file, atomically (temporary name, fsync, rename)."""
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            with self.read() as con:
+                con.execute(
+                    f"COPY (SELECT prompt_id, messages, source, record_key, format, n_turns, chars, run_id "
+                    f"FROM prompts ORDER BY created_at, prompt_id) TO '{_sql_path(tmp)}' (FORMAT parquet)"
+                )
+                n = con.execute("SELECT count(*) FROM prompts").fetchall()[0][0]
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+            dir_fd = os.open(target.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+            return n
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def query_readonly(self, sql: str) -> tuple[list[str], list[tuple]]:
+        """Run one or more read-only statements; return the last one's columns and rows."""
+        with self.read() as con:
+            try:
+                statements = con.extract_statements(sql)
+            except duckdb.Error as e:
+                raise LineageError(f"SQL error: {e}") from None
+            if not statements:
+                raise LineageError("no SQL statement given")
+            for st in statements:
+                if st.type not in _READ_ONLY_TYPES:
+                    raise LineageError(
+                        f"refused: `eagle3 sql` is read-only and this is a {st.type.name} statement; "
+                        "the lineage store is written only by the pipeline's flows"
+                    )
+            try:
+                for st in statements[:-1]:
+                    con.execute(st).fetchall()
+                res = con.execute(statements[-1])
+                cols = [d[0] for d in (res.description or [])]
+                return cols, res.fetchall()
+            except duckdb.Error as e:
+                raise LineageError(f"SQL error: {e}") from None
+
+    def progress(self) -> tuple[list[str], list[tuple]]:
+        return self.query_readonly("SELECT * FROM progress ORDER BY stage")
+
+
+_READ_ONLY_TYPES = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
+
+_PROMPT_SCHEMA = pa.schema([
+    ("prompt_id", pa.string()),
+    ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+    ("n_turns", pa.int32()),
+    ("chars", pa.int32()),
+    ("source", pa.string()),
+    ("record_key", pa.string()),
+    ("format", pa.string()),
+    ("run_id", pa.string()),
+    ("created_at", pa.timestamp("us", tz="UTC")),
+])
+
+
+def _sql_path(p: Path) -> str:
+    return str(p).replace("'", "''")

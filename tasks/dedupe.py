@@ -1,0 +1,302 @@
+"""Exact and near-duplicate detection (MinHash + LSH), vectorised over a whole batch.
+
+Owns n-gram hashing of canonical text, MinHash signatures, LSH banding and clustering. Promises:
+deterministic results across processes and runs (no Python `hash`), so signatures and band keys
+stored in the lineage store stay comparable with every later batch.
+
+Why not datasketch: it computes `num_perm` hashes per shingle one document at a time. Here the
+whole batch is hashed at once in numpy and the signature uses one-permutation hashing with
+optimal densification (Shrivastava, ICML 2017): one hash per shingle, split into `num_perm`
+bins, empty bins filled from a seeded choice of non-empty ones. It estimates Jaccard like
+`num_perm` independent permutations do, at a fraction of the cost (benchmarks/dedupe.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from tasks.prompts import canonical_text
+
+_U64 = np.uint64
+_P = _U64(0x100000001B3)  # odd, so invertible mod 2**64
+_P_INV = _U64(pow(0x100000001B3, -1, 1 << 64))
+_M1 = _U64(0xFF51AFD7ED558CCD)
+_M2 = _U64(0xC4CEB9FE1A85EC53)
+_MIX = _U64(0x9E3779B97F4A7C15)
+_CHUNK_BYTES = 8 << 20
+
+
+def fmix64(x: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 64-bit finaliser: full avalanche, vectorised (wraps mod 2**64)."""
+    x = x ^ (x >> _U64(33))
+    x = x * _M1
+    x = x ^ (x >> _U64(33))
+    x = x * _M2
+    return x ^ (x >> _U64(33))
+
+
+@lru_cache(maxsize=4)
+def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
+    p = np.full(n, _P, dtype=_U64)
+    p[0] = 1
+    q = np.full(n, _P_INV, dtype=_U64)
+    q[0] = 1
+    with np.errstate(over="ignore"):
+        return np.cumprod(p, dtype=_U64), np.cumprod(q, dtype=_U64)
+
+
+def _token_hashes_chunk(texts: list[str], unit: str) -> tuple[np.ndarray, np.ndarray]:
+    """Hash of every token (word or character) of canonical texts, with the text each belongs to."""
+    if unit == "char":
+        parts = [np.frombuffer(t.encode("utf-32-le"), dtype=np.uint32) for t in texts]
+        lengths = np.array([len(p) for p in parts], dtype=np.int64)
+        toks = np.concatenate(parts).astype(_U64) if parts else np.zeros(0, _U64)
+        doc = np.repeat(np.arange(len(texts), dtype=np.int64), lengths)
+        return fmix64(toks + _MIX), doc
+    blob = np.frombuffer("\n".join(texts).encode("utf-8"), dtype=np.uint8)
+    n = len(blob)
+    is_nl = blob == 10
+    seps = np.flatnonzero((blob == 32) | is_nl)
+    starts = np.concatenate(([0], seps + 1))
+    ends = np.concatenate((seps, [n]))
+    keep = ends > starts
+    starts, ends = starts[keep], ends[keep]
+    # Polynomial hash of each word from prefix sums: H(a, e) = P^(e-1) * (C[e] - C[a]),
+    # C[k] = sum_{j<k} b[j] * P^-j, all mod 2**64, so every word hashes in one vector pass.
+    pw, pinv = _powers(max(n, 1))
+    with np.errstate(over="ignore"):
+        c = np.zeros(n + 1, dtype=_U64)
+        np.cumsum(blob.astype(_U64) * pinv[:n], dtype=_U64, out=c[1:])
+        h = pw[ends - 1] * (c[ends] - c[starts]) + (ends - starts).astype(_U64) * _MIX
+    doc = np.searchsorted(np.flatnonzero(is_nl), starts)
+    return fmix64(h), doc
+
+
+def _combine(h: np.ndarray, doc: np.ndarray, n_docs: int, ngram: int) -> tuple[np.ndarray, np.ndarray]:
+    """Order-sensitive hashes of every run of `ngram` consecutive tokens inside one text.
+
+    A text shorter than `ngram` tokens gets one shingle made of all its tokens.
+    """
+    m = len(h) - ngram + 1
+    parts_h, parts_d = [], []
+    with np.errstate(over="ignore"):
+        if m > 0:
+            acc = np.zeros(m, dtype=_U64)
+            for k in range(ngram):
+                acc = acc * _P + h[k : k + m]
+            valid = doc[ngram - 1 : ngram - 1 + m] == doc[:m]
+            parts_h.append(fmix64(acc[valid]))
+            parts_d.append(doc[:m][valid])
+        counts = np.bincount(doc, minlength=n_docs)
+        short = np.flatnonzero((counts > 0) & (counts < ngram))
+        if len(short):
+            first = np.searchsorted(doc, short)
+            acc = np.zeros(len(short), dtype=_U64)
+            for k in range(ngram - 1):
+                live = k < counts[short]
+                acc = np.where(live, acc * _P + h[np.minimum(first + k, len(h) - 1)], acc)
+            parts_h.append(fmix64(acc))
+            parts_d.append(short)
+    if not parts_h:
+        return np.zeros(0, _U64), np.zeros(0, np.int64)
+    return np.concatenate(parts_h), np.concatenate(parts_d)
+
+
+def ngram_hashes(texts: list[str], ngram: int, unit: str = "word", canonical: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Hashes of all n-grams of every text (canonicalised unless `canonical`), with text indexes."""
+    if not canonical:
+        texts = [canonical_text(t) for t in texts]
+    out_h, out_d = [], []
+    start = 0
+    while start < len(texts):
+        size, stop = 0, start
+        while stop < len(texts) and (size < _CHUNK_BYTES or stop == start):
+            size += len(texts[stop]) + 1
+            stop += 1
+        h, d = _token_hashes_chunk(texts[start:stop], unit)
+        sh, sd = _combine(h, d, stop - start, ngram)
+        out_h.append(sh)
+        out_d.append(sd + start)
+        start = stop
+    if not out_h:
+        return np.zeros(0, _U64), np.zeros(0, np.int64)
+    return np.concatenate(out_h), np.concatenate(out_d)
+
+
+# ---------------------------------------------------------------- MinHash by one-permutation hashing
+
+_EMPTY = np.iinfo(np.uint64).max
+
+
+@lru_cache(maxsize=8)
+def _densify_table(num_perm: int, attempts: int = 64) -> np.ndarray:
+    """For each bin, a fixed pseudo-random sequence of donor bins (the same for every text)."""
+    j = np.arange(num_perm, dtype=_U64)[None, :]
+    t = np.arange(1, attempts + 1, dtype=_U64)[:, None]
+    with np.errstate(over="ignore"):
+        return (fmix64(j * _MIX + t * _M1) % _U64(num_perm)).astype(np.int64)
+
+
+def signatures(texts: list[str], num_perm: int = 128, ngram: int = 5, unit: str = "word") -> np.ndarray:
+    """MinHash signatures, shape (len(texts), num_perm), uint32. A text with no token gets all-zero."""
+    n_docs = len(texts)
+    h, doc = ngram_hashes(texts, ngram, unit)
+    bits = num_perm.bit_length() - 1
+    bins = (h >> _U64(64 - bits)).astype(np.int64)
+    vals = h & _U64((1 << (64 - bits)) - 1)
+    sig = np.full(n_docs * num_perm, _EMPTY, dtype=_U64)
+    np.minimum.at(sig, doc * num_perm + bins, vals)
+    sig = sig.reshape(n_docs, num_perm)
+    empty = sig == _EMPTY
+    if empty.any():
+        original = ~empty
+        rows = np.flatnonzero(empty.any(axis=1) & original.any(axis=1))
+        table = _densify_table(num_perm)
+        sub, sub_orig, todo = sig[rows], original[rows], empty[rows]
+        for donors in table:
+            take = todo & sub_orig[:, donors]
+            sub[take] = sub[:, donors][take]
+            todo &= ~take
+            if not todo.any():
+                break
+        if todo.any():  # vanishingly rare: fall back to the first non-empty bin
+            first = sub_orig.argmax(axis=1)
+            sub[todo] = np.broadcast_to(sub[np.arange(len(sub)), first][:, None], sub.shape)[todo]
+        sig[rows] = sub
+        sig[~original.any(axis=1)] = 0
+    return (sig & _U64(0xFFFFFFFF)).astype(np.uint32)
+
+
+def lsh_params(threshold: float, num_perm: int) -> tuple[int, int]:
+    """(bands, rows) minimising false positives + false negatives around `threshold`, equal weights."""
+    xs = np.linspace(0, 1, 1001)
+    best, best_err = (1, num_perm), float("inf")
+    for b in range(1, num_perm + 1):
+        r = num_perm // b
+        if r == 0:
+            continue
+        p = 1 - (1 - xs**r) ** b
+        lo, hi = xs <= threshold, xs >= threshold
+        err = np.trapezoid(p[lo], xs[lo]) + np.trapezoid(1 - p[hi], xs[hi])
+        if err < best_err:
+            best, best_err = (b, r), err
+    return best
+
+
+def band_keys(sig: np.ndarray, bands: int, rows: int) -> np.ndarray:
+    """One 64-bit key per (text, band); equal keys mean the band's `rows` values are equal."""
+    out = np.empty((sig.shape[0], bands), dtype=_U64)
+    with np.errstate(over="ignore"):
+        for b in range(bands):
+            acc = np.full(sig.shape[0], _U64(b + 1), dtype=_U64)
+            for c in sig[:, b * rows : (b + 1) * rows].T:
+                acc = acc * _P + c.astype(_U64)
+            out[:, b] = fmix64(acc)
+    return out
+
+
+def candidate_pairs(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs (i < j) sharing a band key: each text with its bucket's first and its previous member."""
+    n = keys.shape[0]
+    found = []
+    for b in range(keys.shape[1]):
+        order = np.argsort(keys[:, b], kind="stable")
+        k = keys[order, b]
+        same = np.concatenate(([False], k[1:] == k[:-1]))
+        if not same.any():
+            continue
+        head = np.maximum.accumulate(np.where(same, 0, np.arange(n)))
+        j = order[same]
+        prev = order[np.flatnonzero(same) - 1]
+        first = order[head[same]]
+        found.append(prev * n + j)
+        found.append(first * n + j)
+    if not found:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    code = np.unique(np.concatenate(found))
+    i, j = code // n, code % n
+    return np.minimum(i, j), np.maximum(i, j)
+
+
+def estimated_jaccard(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a == b).mean(axis=1)
+
+
+@dataclass
+class NearDuplicateResult:
+    """For each text of the batch: -1 if it starts a cluster (kept), else the node it duplicates.
+
+    Nodes are numbered batch texts first (0..n-1), then the stored prompts given as `prior`
+    (n..n+m-1), so `duplicate_of[i] >= n` points at a prompt already in the lineage store.
+    """
+
+    duplicate_of: np.ndarray
+    similarity: np.ndarray
+
+
+def cluster(
+    sig: np.ndarray,
+    keys: np.ndarray,
+    threshold: float,
+    prior_pairs: tuple[np.ndarray, np.ndarray] | None = None,
+    prior_sig: np.ndarray | None = None,
+) -> NearDuplicateResult:
+    """Union-find over verified candidate pairs; each cluster's root is its earliest member.
+
+    Stored prompts (`prior_sig`, with candidate pairs `prior_pairs` = (batch index, prior index))
+    rank before every batch text, so a text near an already kept prompt is its duplicate.
+    """
+    n = sig.shape[0]
+    m = 0 if prior_sig is None else prior_sig.shape[0]
+    i, j = candidate_pairs(keys)
+    sim = estimated_jaccard(sig[i], sig[j])
+    ok = sim >= threshold
+    edges_a, edges_b, edges_s = [i[ok]], [j[ok]], [sim[ok]]
+    if prior_pairs is not None and m:
+        bi, pj = prior_pairs
+        psim = estimated_jaccard(sig[bi], prior_sig[pj])
+        pok = psim >= threshold
+        edges_a.append(pj[pok] + n)
+        edges_b.append(bi[pok])
+        edges_s.append(psim[pok])
+    a = np.concatenate(edges_a).tolist()
+    b = np.concatenate(edges_b).tolist()
+    s = np.concatenate(edges_s).tolist()
+
+    def rank(x: int) -> int:  # stored prompts first, then batch order
+        return x - n if x >= n else x + m
+
+    parent: dict[int, int] = {}
+
+    def find(x: int) -> int:
+        root = x
+        while parent.get(root, root) != root:
+            root = parent[root]
+        while parent.get(x, x) != root:
+            parent[x], x = root, parent[x]
+        return root
+
+    for x, y in zip(a, b):
+        rx, ry = find(x), find(y)
+        if rx != ry:
+            if rank(rx) < rank(ry):
+                parent[ry] = rx
+            else:
+                parent[rx] = ry
+    best_sim: dict[int, float] = {}
+    for x, y, v in zip(a, b, s):
+        for node in (x, y):
+            if node < n:
+                best_sim[node] = max(best_sim.get(node, 0.0), v)
+    dup = np.full(n, -1, dtype=np.int64)
+    similarity = np.zeros(n, dtype=np.float32)
+    for node in parent:
+        if node < n:
+            root = find(node)
+            if root != node:
+                dup[node] = root
+                similarity[node] = best_sim.get(node, 0.0)
+    return NearDuplicateResult(dup, similarity)

@@ -1,0 +1,169 @@
+"""Deciding each record's outcome in discover: quarantined, contaminated, duplicate or kept.
+
+Owns the order of the checks and the rows they produce. Promises: every record passed in gets
+exactly one outcome row, so records in = kept + exact + near + contaminated + quarantined.
+
+The order, and why:
+1. quarantined: the record is unreadable or is not a usable conversation (tasks.prompts).
+2. contaminated: its system/user text shares an n-gram with an eval item. Checked before dedupe
+   so a contaminated prompt never becomes the kept copy that others are duplicates of.
+3. exact_duplicate: its prompt id (hash of the canonical text) is already stored or appeared
+   earlier in the batch.
+4. near_duplicate: MinHash/LSH finds an earlier kept prompt (stored or in this batch) at or above
+   the Jaccard threshold; `duplicate_of` names the kept prompt heading its cluster.
+5. kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from storage.lineage import LineageStore
+from tasks.config import NearDedupeConfig
+from tasks.decontaminate import NgramIndex
+from tasks.dedupe import band_keys, cluster, lsh_params, signatures
+from tasks.prompts import Prompt, Quarantine, normalise_record, prompt_text
+from tasks.sources import RawRecord
+
+
+def minhash_params_key(cfg: NearDedupeConfig) -> str:
+    """Identifies how signatures and band keys were made; stored beside them."""
+    bands, rows = lsh_params(cfg.threshold, cfg.num_perm)
+    return f"oph1:{cfg.shingle}{cfg.ngram}:p{cfg.num_perm}:b{bands}x{rows}"
+
+
+@dataclass
+class DiscoverBatch:
+    records: list[dict]
+    prompts: list[dict]
+    minhash: tuple[str, list[str], np.ndarray, np.ndarray] | None
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.records:
+            out[r["outcome"]] = out.get(r["outcome"], 0) + 1
+        return out
+
+
+def _row(rec: RawRecord, outcome: str, prompt: Prompt | None = None, **extra) -> dict:
+    return {
+        "source": rec.source,
+        "record_key": rec.record_key,
+        "native_id": prompt.native_id if prompt else None,
+        "outcome": outcome,
+        "reason": extra.get("reason"),
+        "prompt_id": prompt.prompt_id if prompt else None,
+        "duplicate_of": extra.get("duplicate_of"),
+        "eval_item": extra.get("eval_item"),
+        "similarity": extra.get("similarity"),
+    }
+
+
+def _prior_candidates(store: LineageStore, params: str, keys: np.ndarray, num_perm: int):
+    idx, prompt_ids = store.band_collisions(params, keys)
+    if not prompt_ids:
+        return None, None, []
+    unique_ids = sorted(set(prompt_ids))
+    pos = {p: i for i, p in enumerate(unique_ids)}
+    prior_sig = store.minhash_signatures(params, unique_ids, num_perm)
+    return (idx, np.array([pos[p] for p in prompt_ids], dtype=np.int64)), prior_sig, unique_ids
+
+
+def decide_outcomes(
+    records: list[RawRecord],
+    formats: dict[str, tuple[str, str, str]],
+    store: LineageStore,
+    near: NearDedupeConfig,
+    contamination: NgramIndex | None,
+) -> DiscoverBatch:
+    """Outcome rows, kept prompt rows and MinHash index rows for one batch of new records.
+
+    `formats` maps a source name to (format, prompt_field, response_field).
+    """
+    rows: list[dict | None] = [None] * len(records)
+    candidates: list[tuple[int, Prompt]] = []
+    for i, rec in enumerate(records):
+        fmt, pf, rf = formats[rec.source]
+        result = Quarantine(rec.error) if rec.error else normalise_record(rec.data, fmt, pf, rf)
+        if isinstance(result, Quarantine):
+            rows[i] = _row(rec, "quarantined", reason=result.reason)
+        else:
+            candidates.append((i, result))
+
+    if contamination is not None and candidates:
+        matches = contamination.first_match([p.text for _, p in candidates])
+        clean = []
+        for (i, p), item in zip(candidates, matches):
+            if item is None:
+                clean.append((i, p))
+            else:
+                rows[i] = _row(records[i], "contaminated", p, eval_item=item,
+                               reason=f"shares a {contamination.ngram}-gram with {item}")
+        candidates = clean
+
+    stored = store.existing_prompt_ids(sorted({p.prompt_id for _, p in candidates}))
+    first_seen: set[str] = set()
+    unique: list[tuple[int, Prompt]] = []
+    for i, p in candidates:
+        if p.prompt_id in stored or p.prompt_id in first_seen:
+            where = "a stored prompt" if p.prompt_id in stored else "an earlier record of this batch"
+            rows[i] = _row(records[i], "exact_duplicate", p, duplicate_of=p.prompt_id,
+                           reason=f"same canonical text as {where}")
+        else:
+            first_seen.add(p.prompt_id)
+            unique.append((i, p))
+
+    minhash = None
+    if near.enabled and unique:
+        params = minhash_params_key(near)
+        bands, band_rows = lsh_params(near.threshold, near.num_perm)
+        sig = signatures([p.text for _, p in unique], near.num_perm, near.ngram, near.shingle)
+        keys = band_keys(sig, bands, band_rows)
+        prior_pairs, prior_sig, prior_ids = _prior_candidates(store, params, keys, near.num_perm)
+        result = cluster(sig, keys, near.threshold, prior_pairs, prior_sig)
+        n = len(unique)
+        kept_pos = []
+        for k, (i, p) in enumerate(unique):
+            d = int(result.duplicate_of[k])
+            if d < 0:
+                kept_pos.append(k)
+                continue
+            target = prior_ids[d - n] if d >= n else unique[d][1].prompt_id
+            where = "a stored prompt" if d >= n else "an earlier record of this batch"
+            rows[i] = _row(records[i], "near_duplicate", p, duplicate_of=target,
+                           similarity=float(result.similarity[k]),
+                           reason=f"estimated Jaccard {result.similarity[k]:.2f} with {where}")
+        kept = [unique[k] for k in kept_pos]
+        minhash = (params, [p.prompt_id for _, p in kept], sig[kept_pos], keys[kept_pos])
+    else:
+        kept = unique
+
+    prompts = []
+    for i, p in kept:
+        note = f"dropped {p.dropped_leading_assistant} assistant turn(s) before the first user turn" if p.dropped_leading_assistant else None
+        rows[i] = _row(records[i], "kept", p, reason=note)
+        prompts.append({
+            "prompt_id": p.prompt_id,
+            "messages": p.messages,
+            "n_turns": len(p.messages),
+            "chars": sum(len(m["content"]) for m in p.messages),
+            "source": records[i].source,
+            "record_key": records[i].record_key,
+            "format": p.format,
+        })
+    assert all(r is not None for r in rows), "every record gets an outcome"
+    return DiscoverBatch(rows, prompts, minhash)
+
+
+def backfill_signatures(store: LineageStore, near: NearDedupeConfig) -> int:
+    """Give stored prompts signatures under the current near-dedupe parameters (after a change)."""
+    params = minhash_params_key(near)
+    ids, messages = store.prompts_without_signature(params)
+    if not ids:
+        return 0
+    bands, band_rows = lsh_params(near.threshold, near.num_perm)
+    sig = signatures([prompt_text(m) for m in messages], near.num_perm, near.ngram, near.shingle)
+    store.write_minhash(params, ids, sig, band_keys(sig, bands, band_rows))
+    return len(ids)
