@@ -22,8 +22,6 @@ from tasks.decontaminate import build_index
 from tasks.outcomes import backfill_signatures, decide_outcomes
 from tasks.sources import read_source, sample_records, source_quotas
 
-BATCH_RECORDS = 20_000
-
 read_source_task = task(read_source, name="read-source", retries=2, retry_delay_seconds=5, cache_policy=NO_CACHE)
 build_index_task = task(build_index, name="build-decontamination-index", cache_policy=NO_CACHE)
 backfill_task = task(backfill_signatures, name="backfill-minhash", cache_policy=NO_CACHE)
@@ -55,7 +53,7 @@ def workspace_paths(workspace: str | Path) -> tuple[Path, Path]:
 
 
 @flow(name="discover", log_prints=True)
-def discover(config: DiscoverConfig, batch_records: int = BATCH_RECORDS) -> DiscoverSummary:
+def discover(config: DiscoverConfig) -> DiscoverSummary:
     """Read every source, keep new, clean, unique, uncontaminated prompts; record every record's outcome."""
     logger = get_run_logger()
     db_path, dataset_path = workspace_paths(config.workspace)
@@ -64,7 +62,7 @@ def discover(config: DiscoverConfig, batch_records: int = BATCH_RECORDS) -> Disc
     run_id = store.begin_run("discover", config.model_dump(mode="json"), config_hash(config), meta["flow_run_id"], meta["git_sha"])
     summary = DiscoverSummary(run_id=run_id, lineage_db=str(db_path), dataset=str(dataset_path))
     try:
-        _discover(config, store, summary, batch_records, logger)
+        _discover(config, store, summary, logger)
     except BaseException as e:
         store.finish_run(run_id, "FAILED", {"error": f"{type(e).__name__}: {e}"})
         raise
@@ -72,7 +70,7 @@ def discover(config: DiscoverConfig, batch_records: int = BATCH_RECORDS) -> Disc
     return summary
 
 
-def _discover(config: DiscoverConfig, store: LineageStore, summary: DiscoverSummary, batch_records: int, logger) -> None:
+def _discover(config: DiscoverConfig, store: LineageStore, summary: DiscoverSummary, logger) -> None:
     # Read every source (hub loads get retries), then sample with the seed and quotas.
     read = {}
     reads = []
@@ -112,6 +110,7 @@ def _discover(config: DiscoverConfig, store: LineageStore, summary: DiscoverSumm
     # Batches are decided and written one at a time: each batch dedupes against everything
     # already stored, and each write is one transaction, so a crash loses no finished batch and
     # a rerun continues with the records not yet recorded.
+    batch_records = config.write_batch_records
     n_batches = max(1, -(-len(new_records) // batch_records))
     artifact_id = create_progress_artifact(progress=0.0, key="discover-progress", description="discover: records decided")
     with Progress(transient=True) as bar:

@@ -90,6 +90,9 @@ class DiscoverConfig(Strict):
     sources: list[SourceConfig] = Field(min_length=1)
     near_dedupe: NearDedupeConfig = Field(default_factory=NearDedupeConfig)
     decontaminate: DecontaminateConfig = Field(default_factory=DecontaminateConfig)
+    write_batch_records: int = Field(
+        default=20_000, ge=1, description="Records decided and committed per transaction."
+    )
 
     @model_validator(mode="after")
     def _unique_names(self) -> "DiscoverConfig":

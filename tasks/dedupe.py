@@ -170,20 +170,20 @@ def signatures(texts: list[str], num_perm: int = 128, ngram: int = 5, unit: str 
     return (sig & _U64(0xFFFFFFFF)).astype(np.uint32)
 
 
-def lsh_params(threshold: float, num_perm: int) -> tuple[int, int]:
-    """(bands, rows) minimising false positives + false negatives around `threshold`, equal weights."""
-    xs = np.linspace(0, 1, 1001)
-    best, best_err = (1, num_perm), float("inf")
-    for b in range(1, num_perm + 1):
-        r = num_perm // b
-        if r == 0:
-            continue
-        p = 1 - (1 - xs**r) ** b
-        lo, hi = xs <= threshold, xs >= threshold
-        err = np.trapezoid(p[lo], xs[lo]) + np.trapezoid(1 - p[hi], xs[hi])
-        if err < best_err:
-            best, best_err = (b, r), err
-    return best
+def lsh_params(threshold: float, num_perm: int, recall_at_threshold: float = 0.9) -> tuple[int, int]:
+    """(bands, rows): the most rows per band whose candidate probability at `threshold` is at
+    least `recall_at_threshold`.
+
+    LSH only proposes candidates here; each one is verified on its signature before it counts.
+    So the bands are tuned for recall, unlike datasketch's balanced false-positive/negative
+    choice (9 bands of 13 rows for 0.8 and 128, which proposes a pair at Jaccard 0.85 only 62%
+    of the time). Extra candidates cost a cheap vectorised comparison, not precision.
+    """
+    for rows in range(num_perm, 0, -1):
+        bands = num_perm // rows
+        if 1 - (1 - threshold**rows) ** bands >= recall_at_threshold:
+            return bands, rows
+    return num_perm, 1
 
 
 def band_keys(sig: np.ndarray, bands: int, rows: int) -> np.ndarray:

@@ -1,0 +1,55 @@
+"""Test session set-up: one real local Prefect API server for the whole session.
+
+The environment is set at import time, before any test module imports prefect, so every flow in
+this process and every CLI subprocess talks to the same server.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_PREFECT_HOME = Path(tempfile.mkdtemp(prefix="eagle3-prefect-"))
+_PORT = _free_port()
+os.environ["PREFECT_HOME"] = str(_PREFECT_HOME)
+os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{_PORT}/api"
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+
+@pytest.fixture(scope="session")
+def prefect_api() -> str:
+    """A real Prefect API server on loopback, started once for the session (about 5 s)."""
+    from flows.prefect_api import start_local_api
+
+    url, proc = start_local_api(_PREFECT_HOME, _PORT)
+    assert url == os.environ["PREFECT_API_URL"]
+    yield url
+    if proc is not None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except Exception:
+            proc.kill()
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Path:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    return ws

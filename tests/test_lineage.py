@@ -1,0 +1,131 @@
+"""The DuckDB lineage store: migrations, read-only SQL, concurrent writers, kill -9 mid-transaction."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from storage.lineage import MIGRATIONS, LineageError, LineageStore
+
+WRITER = textwrap.dedent(
+    """
+    import sys, time
+    from storage.lineage import LineageStore
+    db, tag, batches, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    store = LineageStore(db)
+    for b in range(batches):
+        rows = [{"source": tag, "record_key": f"{b}-{i}", "native_id": None, "outcome": "quarantined",
+                 "reason": "test", "prompt_id": None, "duplicate_of": None, "eval_item": None,
+                 "similarity": None} for i in range(size)]
+        store.write_discover_batch(f"run-{tag}", rows, [], None)
+    """
+)
+
+READER = textwrap.dedent(
+    """
+    import sys, time
+    from storage.lineage import LineageStore
+    store = LineageStore(sys.argv[1])
+    end = time.time() + float(sys.argv[2])
+    n = 0
+    while time.time() < end:
+        store.query_readonly("SELECT count(*) FROM record_outcomes")
+        n += 1
+    print(n)
+    """
+)
+
+HANG_IN_TRANSACTION = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from storage.lineage import LineageStore
+    store = LineageStore(sys.argv[1])
+    with store.write() as con:
+        con.execute("INSERT INTO runs (run_id, flow, state, started_at) VALUES ('doomed', 'x', 'RUNNING', now())")
+        Path(sys.argv[2]).write_text("inside")
+        time.sleep(600)
+    """
+)
+
+
+def run_py(code: str, *args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_migrations_are_versioned_and_applied_once(tmp_path: Path):
+    store = LineageStore(tmp_path / "l.duckdb")
+    store.begin_run("discover", {}, "h", None, None)
+    assert store.schema_version() == MIGRATIONS[-1][0]
+    LineageStore(tmp_path / "l.duckdb").begin_run("discover", {}, "h", None, None)  # a fresh process re-checks
+    cols, rows = store.query_readonly("SELECT version, description FROM schema_migrations ORDER BY version")
+    assert [r[0] for r in rows] == [m[0] for m in MIGRATIONS]
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "DELETE FROM runs",
+        "INSERT INTO runs (run_id, flow, state, started_at) VALUES ('x', 'y', 'z', now())",
+        "DROP VIEW record_outcomes",
+        "CREATE TABLE t (x INT)",
+        "UPDATE runs SET state = 'x'",
+        "ATTACH 'other.duckdb' AS o",
+        "COPY runs TO 'out.csv'",
+        "SELECT 1; DELETE FROM runs",
+    ],
+)
+def test_sql_refuses_every_write(tmp_path: Path, statement: str):
+    store = LineageStore(tmp_path / "l.duckdb")
+    store.begin_run("discover", {}, "h", None, None)
+    with pytest.raises(LineageError, match="refused: `eagle3 sql` is read-only"):
+        store.query_readonly(statement)
+    assert store.query_readonly("SELECT count(*) FROM runs")[1] == [(1,)]
+
+
+def test_sql_errors_and_missing_store_are_clear(tmp_path: Path):
+    with pytest.raises(LineageError, match="no lineage store at"):
+        LineageStore(tmp_path / "none.duckdb").query_readonly("SELECT 1")
+    store = LineageStore(tmp_path / "l.duckdb")
+    store.begin_run("discover", {}, "h", None, None)
+    with pytest.raises(LineageError, match="SQL error"):
+        store.query_readonly("SELECT * FROM no_such_table")
+
+
+def test_two_writer_processes_and_a_reader_lose_no_row(tmp_path: Path):
+    db = str(tmp_path / "l.duckdb")
+    LineageStore(db).begin_run("discover", {}, "h", None, None)
+    writers = [run_py(WRITER, db, tag, "25", "200") for tag in ("a", "b")]
+    reader = run_py(READER, db, "4")
+    for p in writers + [reader]:
+        out, errs = p.communicate(timeout=300)
+        assert p.returncode == 0, errs
+        assert "lock" not in errs.lower(), errs
+    assert int(out.strip()) > 0  # the reader ran queries throughout
+    cols, rows = LineageStore(db).query_readonly("SELECT source, count(*), count(DISTINCT record_key) FROM records GROUP BY 1 ORDER BY 1")
+    assert rows == [("a", 5000, 5000), ("b", 5000, 5000)]
+
+
+def test_kill_9_inside_a_transaction_leaves_no_trace_and_no_stuck_lock(tmp_path: Path):
+    db = str(tmp_path / "l.duckdb")
+    store = LineageStore(db)
+    kept = store.begin_run("discover", {}, "h", None, None)
+    flag = tmp_path / "inside"
+    p = run_py(HANG_IN_TRANSACTION, db, str(flag))
+    deadline = time.time() + 60
+    while not flag.exists():
+        assert p.poll() is None, p.stderr.read()
+        assert time.time() < deadline
+        time.sleep(0.05)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    again = store.begin_run("discover", {}, "h", None, None)  # the writer lock was released by the kernel
+    cols, rows = store.query_readonly("SELECT run_id FROM runs ORDER BY started_at")
+    assert [r[0] for r in rows] == [kept, again]
