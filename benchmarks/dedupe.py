@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import hashlib
 import os
 import platform
 import statistics
@@ -376,6 +377,9 @@ def main() -> int:
 
     print(f"dedupe benchmark  {datetime.date.today()}  {platform.python_implementation()} {platform.python_version()}  "
           f"numpy {np.__version__}  datasketch {getattr(datasketch, '__version__', '?')}  cores {os.cpu_count()}")
+    src = Path(dedupe.__file__)
+    print(f"code under test: {src.name} sha256 {hashlib.sha256(src.read_bytes()).hexdigest()[:12]}, "
+          f"modified {datetime.datetime.fromtimestamp(src.stat().st_mtime):%Y-%m-%d %H:%M:%S}")
     bands, rows = dedupe.lsh_params(THRESHOLD, NUM_PERM)
     ds_lsh = datasketch.MinHashLSH(threshold=THRESHOLD, num_perm=NUM_PERM)
     print(f"parameters: word {NGRAM}-grams of canonical_text, {NUM_PERM} permutations, threshold {THRESHOLD}; "
@@ -383,6 +387,7 @@ def main() -> int:
     print(f"timing: ours {args.repeats} run(s) per dataset, each cold (lru caches cleared), median reported; "
           f"datasketch 1 run")
     ratios: dict[str, float] = {}
+    sharegpt_exact: dict[str, float] = {}
 
     # ------------------------------------------------ ShareGPT
     if not args.skip_sharegpt:
@@ -403,13 +408,22 @@ def main() -> int:
             src = np.flatnonzero(d >= 0)
             return sum(sh.jaccard(a, int(d[a])) >= THRESHOLD for a in src.tolist())
 
+        # edges of ours whose own estimated Jaccard to the root is below the threshold: the text joined
+        # the cluster through another member (union-find is transitive), not by resembling the root
+        sig = dedupe.signatures(texts, num_perm=NUM_PERM, ngram=NGRAM)
+        src_o = np.flatnonzero(fo)
+        chained = int((dedupe.estimated_jaccard(sig[src_o], sig[d_ours[src_o]]) < THRESHOLD).sum())
+        v_ours, v_ds = verified(d_ours), verified(d_ds)
+        sharegpt_exact = {"ours": v_ours / max(1, fo.sum()), "datasketch": v_ds / max(1, fd.sum())}
+
         table("ShareGPT near duplicates (flagged = marked a duplicate of an earlier text)",
               ["", "count"],
               [["flagged by ours", f"{fo.sum():,}"], ["flagged by datasketch", f"{fd.sum():,}"],
                ["flagged by both", f"{(fo & fd).sum():,}"], ["only ours", f"{(fo & ~fd).sum():,}"],
                ["only datasketch", f"{(~fo & fd).sum():,}"],
-               ["ours: edges with exact Jaccard >= 0.8", f"{verified(d_ours):,} / {fo.sum():,}"],
-               ["datasketch: edges with exact Jaccard >= 0.8", f"{verified(d_ds):,} / {fd.sum():,}"],
+               ["ours: edges with exact Jaccard >= 0.8", f"{v_ours:,} / {fo.sum():,}"],
+               ["datasketch: edges with exact Jaccard >= 0.8", f"{v_ds:,} / {fd.sum():,}"],
+               ["ours: edges with estimated Jaccard to the root < 0.8 (chained)", f"{chained:,}"],
                ["(exact duplicates: same canonical text)", f"{exact:,}"]])
         del texts, sh, canon
 
@@ -501,6 +515,9 @@ def main() -> int:
     print(f"  recall (J >= 0.85): {q_ours.recall_85:.4f}  {'MET' if q_ours.recall_85 >= TARGET_RECALL else 'NOT MET'}"
           f"   (all planted pairs: {q_ours.recall:.4f})")
     print(f"  precision: {q_ours.precision:.4f}  {'MET' if q_ours.precision >= TARGET_PRECISION else 'NOT MET'}")
+    if sharegpt_exact:
+        print(f"  (not a target: on ShareGPT the share of reported edges with exact Jaccard >= 0.8 is "
+              f"{sharegpt_exact['ours']:.4f} for ours, {sharegpt_exact['datasketch']:.4f} for datasketch)")
     met = (all(r >= TARGET_RATIO for r in ratios.values()) and q_ours.recall_85 >= TARGET_RECALL
            and q_ours.precision >= TARGET_PRECISION)
     print(f"  overall: {'MET' if met else 'NOT MET'}")

@@ -15,6 +15,7 @@ import fcntl
 import json
 import os
 import random
+import socket
 import time
 import uuid
 from contextlib import contextmanager
@@ -26,6 +27,8 @@ from typing import Iterator
 import duckdb
 import numpy as np
 import pyarrow as pa
+
+from storage.datasets import write_parquet_atomic
 
 OUTCOMES = ("kept", "exact_duplicate", "near_duplicate", "contaminated", "quarantined")
 
@@ -44,7 +47,9 @@ MIGRATIONS: list[tuple[int, str, str]] = [
             state VARCHAR NOT NULL,
             started_at TIMESTAMPTZ NOT NULL,
             ended_at TIMESTAMPTZ,
-            summary JSON
+            summary JSON,
+            host VARCHAR,
+            pid INTEGER
         );
         CREATE TABLE source_reads (
             run_id VARCHAR NOT NULL,
@@ -101,9 +106,11 @@ MIGRATIONS: list[tuple[int, str, str]] = [
             FROM records r;
         CREATE VIEW progress AS
             WITH last_discover AS (
-                SELECT run_id, started_at, ended_at FROM runs
-                WHERE flow = 'discover' AND ended_at IS NOT NULL
-                ORDER BY ended_at DESC LIMIT 1
+                -- the latest finished run that decided records: its pace is the stage's rate
+                SELECT r.run_id, r.started_at, r.ended_at FROM runs r
+                WHERE r.flow = 'discover' AND r.ended_at IS NOT NULL
+                  AND EXISTS (SELECT 1 FROM records x WHERE x.run_id = r.run_id)
+                ORDER BY r.ended_at DESC LIMIT 1
             ), last_counts AS (
                 SELECT count(*) AS n FROM records WHERE run_id = (SELECT run_id FROM last_discover)
             )
@@ -123,6 +130,16 @@ MIGRATIONS: list[tuple[int, str, str]] = [
 
 class LineageError(RuntimeError):
     """A lineage store problem a user can act on (missing file, refused statement)."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _now() -> datetime:
@@ -238,12 +255,19 @@ class LineageStore:
     # ------------------------------------------------------------ runs
 
     def begin_run(self, flow: str, parameters: dict, config_hash: str, flow_run_id: str | None, git_sha: str | None) -> str:
+        """A new run row; runs left RUNNING by a dead process on this host become CRASHED."""
         run_id = uuid.uuid4().hex
+        host = socket.gethostname()
         with self.write() as con:
+            for other, pid in con.execute(
+                "SELECT run_id, pid FROM runs WHERE state = 'RUNNING' AND host = ?", [host]
+            ).fetchall():
+                if pid is not None and not _alive(pid):
+                    con.execute("UPDATE runs SET state = 'CRASHED', ended_at = ? WHERE run_id = ?", [_now(), other])
             con.execute(
-                "INSERT INTO runs (run_id, flow, flow_run_id, git_sha, config_hash, parameters, state, started_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, 'RUNNING', ?)",
-                [run_id, flow, flow_run_id, git_sha, config_hash, json.dumps(parameters, default=str), _now()],
+                "INSERT INTO runs (run_id, flow, flow_run_id, git_sha, config_hash, parameters, state, started_at, host, pid) "
+                "VALUES (?, ?, ?, ?, ?, ?, 'RUNNING', ?, ?, ?)",
+                [run_id, flow, flow_run_id, git_sha, config_hash, json.dumps(parameters, default=str), _now(), host, os.getpid()],
             )
         return run_id
 
@@ -410,27 +434,14 @@ class LineageStore:
             ).fetchall()
 
     def export_prompts(self, target: Path) -> int:
-        """Write every kept prompt to one Parquet file, atomically (temporary name, fsync, rename)."""
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
-        try:
-            with self.read() as con:
-                con.execute(
-                    f"COPY (SELECT prompt_id, messages, source, record_key, format, n_turns, chars, run_id "
-                    f"FROM prompts ORDER BY created_at, prompt_id) TO '{_sql_path(tmp)}' (FORMAT parquet)"
-                )
-                n = con.execute("SELECT count(*) FROM prompts").fetchall()[0][0]
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-            dir_fd = os.open(target.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-            return n
-        finally:
-            tmp.unlink(missing_ok=True)
+        """Write every kept prompt to one Parquet file, atomically."""
+        with self.read() as con:
+            table = con.sql(
+                "SELECT prompt_id, messages, source, record_key, format, n_turns, chars, run_id "
+                "FROM prompts ORDER BY created_at, prompt_id"
+            ).to_arrow_table()
+        write_parquet_atomic(table, target)
+        return table.num_rows
 
     def query_readonly(self, sql: str) -> tuple[list[str], list[tuple]]:
         """Run one or more read-only statements; return the last one's columns and rows."""
@@ -473,7 +484,3 @@ _PROMPT_SCHEMA = pa.schema([
     ("run_id", pa.string()),
     ("created_at", pa.timestamp("us", tz="UTC")),
 ])
-
-
-def _sql_path(p: Path) -> str:
-    return str(p).replace("'", "''")

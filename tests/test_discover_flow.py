@@ -273,3 +273,5 @@ def test_kill_9_during_discover_then_resume_loses_and_duplicates_nothing(prefect
     assert dict(per) == {"exact_duplicate": 500, "kept": n}
     assert store.query_readonly("SELECT count(*), count(DISTINCT prompt_id) FROM prompts")[1] == [(n, n)]
     assert len(pq.read_table(workspace / "data" / "prompts" / "prompts.parquet")) == n
+    _, states = store.query_readonly("SELECT state, count(*) FROM runs GROUP BY 1 ORDER BY 1")
+    assert dict(states) == {"COMPLETED": 1, "CRASHED": 3}  # the killed runs are marked, not left RUNNING

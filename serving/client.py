@@ -1,0 +1,315 @@
+"""An async client for a pool of inference servers (OpenAI-compatible chat, SGLang /generate).
+
+Owns HTTP: balancing by outstanding requests, a concurrency limit per endpoint, timeouts,
+retries with exponential backoff and full jitter (429 honouring Retry-After, 5xx, connection
+resets, timeouts, malformed or truncated bodies), and ejecting an endpoint that keeps failing
+until a health probe brings it back. Promises: a request either returns a `ChatResult` or raises
+`RequestFailed` with the last reason and the attempt count; API keys are read from the
+environment (or a Prefect Secret block) at call time and never appear in a message, a log line,
+`repr` or a result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
+from typing import Literal
+
+import httpx
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    url: str  # base URL, e.g. http://127.0.0.1:8000 (the client appends /v1/chat/completions)
+    max_concurrency: int = 8
+    api_key_env: str | None = None  # name of the environment variable holding the key
+    api_key_secret_block: str | None = None  # or the name of a Prefect Secret block
+    kind: Literal["openai", "sglang"] = "openai"
+
+    def __repr__(self) -> str:  # no key material, ever
+        return f"Endpoint({self.url}, max_concurrency={self.max_concurrency}, kind={self.kind})"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_attempts: int = 6
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 30.0
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 600.0
+    eject_after_failures: int = 5  # consecutive failures that take an endpoint out
+    probe_interval_s: float = 10.0  # how often an ejected endpoint is probed
+
+
+@dataclass
+class ChatResult:
+    content: str
+    reasoning_content: str | None
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    prompt_token_ids: list[int] | None
+    completion_token_ids: list[int] | None
+    served_model: str | None
+    endpoint: str
+    latency_s: float
+    attempts: int
+
+
+class RequestFailed(RuntimeError):
+    def __init__(self, reason: str, attempts: int):
+        super().__init__(f"{reason} (after {attempts} attempt{'s' if attempts != 1 else ''})")
+        self.reason = reason
+        self.attempts = attempts
+
+
+class _Retryable(Exception):
+    def __init__(self, reason: str, retry_after_s: float | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+class _Fatal(Exception):
+    """A request the server refused for a reason retrying cannot fix (400, 401, 404 ...)."""
+
+
+def _retry_after(headers: httpx.Headers) -> float | None:
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        try:
+            return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+        except (TypeError, ValueError):
+            return None
+
+
+def resolve_api_key(ep: Endpoint) -> str | None:
+    if ep.api_key_env:
+        key = os.environ.get(ep.api_key_env)
+        if not key:
+            raise RequestFailed(f"endpoint {ep.url}: environment variable {ep.api_key_env} is not set", 0)
+        return key
+    if ep.api_key_secret_block:
+        from prefect.blocks.system import Secret
+
+        return Secret.load(ep.api_key_secret_block).get()
+    return None
+
+
+class _EndpointState:
+    def __init__(self, ep: Endpoint):
+        self.ep = ep
+        self.outstanding = 0
+        self.consecutive_failures = 0
+        self.ejected_until = 0.0
+        self.requests = 0
+        self.failures = 0
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self.ejected_until
+
+
+@dataclass
+class PoolStats:
+    requests: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)
+    ejections: int = 0
+
+
+def parse_chat_response(body: bytes, endpoint: str) -> dict:
+    """The fields of an OpenAI chat completion; malformed or truncated JSON is retryable."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _Retryable(f"malformed JSON from {endpoint}: {e.msg if hasattr(e, 'msg') else e}") from None
+    try:
+        choice = data["choices"][0]
+        message = choice.get("message") or {}
+        usage = data.get("usage") or {}
+        return {
+            "content": message.get("content") or "",
+            "reasoning_content": message.get("reasoning_content"),
+            "finish_reason": choice.get("finish_reason"),
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "completion_tokens": usage.get("completion_tokens"),
+            "prompt_token_ids": data.get("prompt_token_ids") or choice.get("prompt_token_ids"),
+            "completion_token_ids": choice.get("token_ids") or choice.get("output_ids"),
+            "served_model": data.get("model"),
+        }
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise _Retryable(f"unexpected response shape from {endpoint}: {str(data)[:200]}") from None
+
+
+def parse_sglang_generate(body: bytes, endpoint: str) -> dict:
+    """SGLang native /generate: text, output ids and meta_info."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise _Retryable(f"malformed JSON from {endpoint}") from None
+    if isinstance(data, list):
+        data = data[0]
+    meta = data.get("meta_info") or {}
+    finish = meta.get("finish_reason")
+    return {
+        "content": data.get("text") or "",
+        "reasoning_content": None,
+        "finish_reason": finish.get("type") if isinstance(finish, dict) else finish,
+        "prompt_tokens": meta.get("prompt_tokens"),
+        "completion_tokens": meta.get("completion_tokens"),
+        "prompt_token_ids": None,
+        "completion_token_ids": data.get("output_ids"),
+        "served_model": None,
+    }
+
+
+class ServerPool:
+    """Requests spread over endpoints; use as `async with ServerPool(...) as pool`."""
+
+    def __init__(self, endpoints: list[Endpoint], policy: RetryPolicy | None = None, *, seed: int | None = None):
+        if not endpoints:
+            raise ValueError("a server pool needs at least one endpoint")
+        self.policy = policy or RetryPolicy()
+        self._states = [_EndpointState(ep) for ep in endpoints]
+        self._rng = random.Random(seed)
+        self._client: httpx.AsyncClient | None = None
+        self._keys: dict[str, str | None] = {}
+        self.stats = PoolStats()
+        self._changed = asyncio.Condition()
+
+    async def __aenter__(self) -> "ServerPool":
+        limits = httpx.Limits(
+            max_connections=sum(s.ep.max_concurrency for s in self._states) + len(self._states),
+            max_keepalive_connections=sum(s.ep.max_concurrency for s in self._states),
+        )
+        timeout = httpx.Timeout(self.policy.read_timeout_s, connect=self.policy.connect_timeout_s)
+        self._client = httpx.AsyncClient(limits=limits, timeout=timeout)
+        for s in self._states:
+            self._keys[s.ep.url] = resolve_api_key(s.ep)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    # -------------------------------------------------------------- endpoint choice
+
+    async def _acquire(self) -> _EndpointState:
+        """The available endpoint with the fewest outstanding requests (ties broken at random)."""
+        while True:
+            now = time.monotonic()
+            live = [s for s in self._states if s.available and s.outstanding < s.ep.max_concurrency]
+            if live:
+                low = min(s.outstanding for s in live)
+                state = self._rng.choice([s for s in live if s.outstanding == low])
+                state.outstanding += 1  # no await since the check: the slot is ours
+                return state
+            ejected = [s for s in self._states if not s.available]
+            if len(ejected) == len(self._states):
+                # Everything is out: probe the endpoint due back first instead of spinning.
+                first = min(ejected, key=lambda s: s.ejected_until)
+                await asyncio.sleep(max(0.0, first.ejected_until - now))
+                if await self._probe(first):
+                    first.ejected_until = 0.0
+                else:
+                    first.ejected_until = time.monotonic() + self.policy.probe_interval_s
+                continue
+            async with self._changed:
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    pass
+
+    async def _release(self, state: _EndpointState, ok: bool) -> None:
+        state.outstanding -= 1
+        state.requests += 1
+        self.stats.requests[state.ep.url] = state.requests
+        if ok:
+            state.consecutive_failures = 0
+        else:
+            state.failures += 1
+            state.consecutive_failures += 1
+            self.stats.failures[state.ep.url] = state.failures
+            if state.consecutive_failures >= self.policy.eject_after_failures and state.available:
+                state.ejected_until = time.monotonic() + self.policy.probe_interval_s
+                self.stats.ejections += 1
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _probe(self, state: _EndpointState) -> bool:
+        try:
+            r = await self._client.get(state.ep.url.rstrip("/") + "/v1/models", headers=self._headers(state), timeout=5.0)
+            ok = r.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok:
+            state.consecutive_failures = 0
+        return ok
+
+    def _headers(self, state: _EndpointState) -> dict:
+        key = self._keys.get(state.ep.url)
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    # -------------------------------------------------------------- requests
+
+    async def _send_once(self, state: _EndpointState, payload: dict, path: str) -> dict:
+        url = state.ep.url.rstrip("/") + path
+        try:
+            r = await self._client.post(url, json=payload, headers=self._headers(state))
+            body = await r.aread()
+        except httpx.TimeoutException as e:
+            raise _Retryable(f"timeout ({type(e).__name__}) from {state.ep.url}") from None
+        except (httpx.TransportError, httpx.DecodingError) as e:
+            raise _Retryable(f"connection error ({type(e).__name__}) from {state.ep.url}") from None
+        if r.status_code == 429:
+            raise _Retryable(f"HTTP 429 from {state.ep.url}", _retry_after(r.headers))
+        if r.status_code >= 500:
+            raise _Retryable(f"HTTP {r.status_code} from {state.ep.url}", _retry_after(r.headers))
+        if r.status_code >= 400:
+            raise _Fatal(f"HTTP {r.status_code} from {state.ep.url}: {body[:300].decode(errors='replace')}")
+        parse = parse_sglang_generate if path == "/generate" else parse_chat_response
+        return parse(body, state.ep.url)
+
+    async def request(self, payload: dict, path: str = "/v1/chat/completions") -> ChatResult:
+        """POST `payload`, retrying what can be retried; raises RequestFailed when attempts run out."""
+        reason = "no attempt made"
+        for attempt in range(1, self.policy.max_attempts + 1):
+            state = await self._acquire()
+            start = time.perf_counter()
+            try:
+                fields = await self._send_once(state, payload, path)
+            except _Retryable as e:
+                await self._release(state, ok=False)
+                reason = e.reason
+                if attempt == self.policy.max_attempts:
+                    break
+                backoff = min(self.policy.backoff_max_s, self.policy.backoff_base_s * 2 ** (attempt - 1))
+                delay = self._rng.uniform(0, backoff)  # full jitter
+                if e.retry_after_s is not None:
+                    delay = max(delay, min(e.retry_after_s, self.policy.backoff_max_s))
+                await asyncio.sleep(delay)
+                continue
+            except _Fatal as e:
+                await self._release(state, ok=True)  # the endpoint works; the request is bad
+                raise RequestFailed(str(e), attempt) from None
+            except BaseException:
+                await self._release(state, ok=True)
+                raise
+            await self._release(state, ok=True)
+            return ChatResult(**fields, endpoint=state.ep.url, latency_s=time.perf_counter() - start, attempts=attempt)
+        raise RequestFailed(reason, self.policy.max_attempts)
+
+    async def chat(self, messages: list[dict], model: str | None = None, **params) -> ChatResult:
+        payload = {"messages": messages, **params}
+        if model:
+            payload["model"] = model
+        return await self.request(payload)

@@ -1,0 +1,61 @@
+"""Dataset files: Parquet written so that a torn or partial file is never visible.
+
+Owns atomic writes (temporary name in the same folder, fsync, rename, fsync of the folder) and
+the cleanup of files a crashed writer left behind. Promises: a reader sees a whole file or none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+TMP_PREFIX = ".tmp-"
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_parquet_atomic(table: pa.Table, target: Path) -> tuple[int, str]:
+    """Write `table` to `target` atomically; returns (bytes, sha256) of the file."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{TMP_PREFIX}{uuid.uuid4().hex}-{target.name}")
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        digest, size = file_sha256(tmp), tmp.stat().st_size
+        os.replace(tmp, target)
+        _fsync_dir(target.parent)
+        return size, digest
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def remove_unregistered(folder: Path, registered: set[str]) -> list[Path]:
+    """Delete temporaries and Parquet files the lineage store does not know (a crash left them)."""
+    if not folder.exists():
+        return []
+    removed = []
+    for p in folder.iterdir():
+        if p.is_file() and (p.name.startswith(TMP_PREFIX) or (p.suffix == ".parquet" and p.name not in registered)):
+            p.unlink()
+            removed.append(p)
+    return removed
