@@ -376,7 +376,8 @@ def main() -> int:
     import datasketch
 
     print(f"dedupe benchmark  {datetime.date.today()}  {platform.python_implementation()} {platform.python_version()}  "
-          f"numpy {np.__version__}  datasketch {getattr(datasketch, '__version__', '?')}  cores {os.cpu_count()}")
+          f"numpy {np.__version__}  datasketch {getattr(datasketch, '__version__', '?')}  cores {os.cpu_count()}  "
+          f"load average {os.getloadavg()[0]:.2f}")
     src = Path(dedupe.__file__)
     print(f"code under test: {src.name} sha256 {hashlib.sha256(src.read_bytes()).hexdigest()[:12]}, "
           f"modified {datetime.datetime.fromtimestamp(src.stat().st_mtime):%Y-%m-%d %H:%M:%S}")
@@ -521,6 +522,7 @@ def main() -> int:
     met = (all(r >= TARGET_RATIO for r in ratios.values()) and q_ours.recall_85 >= TARGET_RECALL
            and q_ours.precision >= TARGET_PRECISION)
     print(f"  overall: {'MET' if met else 'NOT MET'}")
+    print(f"load average at the end: {' / '.join(f'{x:.2f}' for x in os.getloadavg())} (1 / 5 / 15 min)")
     return 0
 
 

@@ -98,6 +98,33 @@ def discover(config: Path = ConfigOpt, workspace: Optional[str] = WorkspaceOpt) 
 
 
 @app.command()
+def regenerate(
+    config: Path = ConfigOpt,
+    workspace: Optional[str] = WorkspaceOpt,
+    retry_failed: bool = typer.Option(False, "--retry-failed", help="Retry prompts recorded as failed."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="At most this many prompts this run."),
+) -> None:
+    """Answer every pending prompt with the target through a baseline server, exactly once."""
+    from flows.regenerate import regenerate as regenerate_flow, summary_table
+
+    cfg = _config(config, workspace)
+    if cfg.regenerate is None:
+        err.print(f"[red]{config}: no `regenerate:` section[/red]", highlight=False)
+        raise typer.Exit(2)
+    update = {"retry_failed": retry_failed or cfg.regenerate.retry_failed}
+    if limit is not None:
+        update["limit"] = limit
+    summary = _run_flow(regenerate_flow, cfg.regenerate.model_copy(update=update))
+    t = Table(title=f"regenerate run {summary.run_id}")
+    t.add_column("what")
+    t.add_column("value", justify="right")
+    for row in summary_table(summary):
+        t.add_row(row["what"], f"{row['value']:,}")
+    console.print(t)
+    console.print(f"generations in {summary.generations_dir}", highlight=False)
+
+
+@app.command()
 def sql(
     query: str = typer.Argument(..., help="Read-only SQL on the lineage store (views: record_outcomes, progress)."),
     config: Path = ConfigOpt,

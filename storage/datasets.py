@@ -59,3 +59,40 @@ def remove_unregistered(folder: Path, registered: set[str]) -> list[Path]:
             p.unlink()
             removed.append(p)
     return removed
+
+
+_TURN = pa.struct([
+    ("turn_index", pa.int32()),
+    ("finish_reason", pa.string()),
+    ("prompt_tokens", pa.int64()),
+    ("completion_tokens", pa.int64()),
+    ("prompt_token_ids", pa.list_(pa.int64())),
+    ("completion_token_ids", pa.list_(pa.int64())),
+    ("latency_s", pa.float64()),
+    ("endpoint", pa.string()),
+    ("served_model", pa.string()),
+    ("attempts", pa.int32()),
+])
+
+GENERATION_FILE_SCHEMA = pa.schema([
+    ("generation_id", pa.string()),
+    ("prompt_id", pa.string()),
+    ("params_key", pa.string()),
+    ("target_model", pa.string()),
+    ("target_revision", pa.string()),
+    ("template_id", pa.string()),
+    ("mode", pa.string()),
+    ("reasoning", pa.string()),
+    ("sampling", pa.string()),
+    ("origin", pa.string()),
+    ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())]))),
+    ("turns", pa.list_(_TURN)),
+    ("input_ids", pa.list_(pa.int64())),
+    ("loss_mask", pa.list_(pa.int8())),
+    ("flags", pa.list_(pa.string())),
+])
+
+
+def write_generation_file(rows: list[dict], target: Path) -> tuple[int, str]:
+    """A batch of generations as one Parquet file (the schema every later stage reads)."""
+    return write_parquet_atomic(pa.Table.from_pylist(rows, schema=GENERATION_FILE_SCHEMA), target)

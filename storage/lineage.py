@@ -125,6 +125,96 @@ MIGRATIONS: list[tuple[int, str, str]] = [
             FROM records;
         """,
     ),
+    (
+        2,
+        "generations, generation files and failures; progress covers regenerate",
+        """
+        CREATE TABLE generation_files (
+            file VARCHAR PRIMARY KEY,
+            params_key VARCHAR NOT NULL,
+            rows INTEGER NOT NULL,
+            bytes BIGINT NOT NULL,
+            sha256 VARCHAR NOT NULL,
+            run_id VARCHAR NOT NULL,
+            created_at TIMESTAMPTZ NOT NULL
+        );
+        CREATE TABLE generations (
+            generation_id VARCHAR PRIMARY KEY,
+            prompt_id VARCHAR NOT NULL,
+            params_key VARCHAR NOT NULL,
+            target_model VARCHAR NOT NULL,
+            target_revision VARCHAR NOT NULL,
+            template_id VARCHAR NOT NULL,
+            mode VARCHAR NOT NULL,
+            reasoning VARCHAR NOT NULL,
+            origin VARCHAR NOT NULL,
+            file VARCHAR NOT NULL,
+            n_turns INTEGER NOT NULL,
+            prompt_tokens BIGINT,
+            completion_tokens BIGINT,
+            finish_reasons VARCHAR[],
+            flags VARCHAR[],
+            has_token_ids BOOLEAN NOT NULL,
+            latency_s DOUBLE,
+            endpoint VARCHAR,
+            served_model VARCHAR,
+            run_id VARCHAR NOT NULL,
+            created_at TIMESTAMPTZ NOT NULL
+        );
+        CREATE TABLE generation_failures (
+            generation_id VARCHAR NOT NULL,
+            prompt_id VARCHAR NOT NULL,
+            params_key VARCHAR NOT NULL,
+            reason VARCHAR NOT NULL,
+            attempts INTEGER NOT NULL,
+            run_id VARCHAR NOT NULL,
+            failed_at TIMESTAMPTZ NOT NULL
+        );
+        CREATE OR REPLACE VIEW progress AS
+            WITH last_discover AS (
+                SELECT r.run_id, r.started_at, r.ended_at FROM runs r
+                WHERE r.flow = 'discover' AND r.ended_at IS NOT NULL
+                  AND EXISTS (SELECT 1 FROM records x WHERE x.run_id = r.run_id)
+                ORDER BY r.ended_at DESC LIMIT 1
+            ), discover_row AS (
+                SELECT 'discover' AS stage,
+                       count(*) FILTER (WHERE outcome <> 'quarantined') AS done,
+                       0::BIGINT AS pending,
+                       count(*) FILTER (WHERE outcome = 'quarantined') AS failed,
+                       NULL::HUGEINT AS tokens,
+                       (SELECT count(*) FROM records WHERE run_id = (SELECT run_id FROM last_discover))
+                         / (SELECT greatest(epoch(ended_at) - epoch(started_at), 1e-3) FROM last_discover)
+                         AS rate_per_s,
+                       NULL::INTERVAL AS eta
+                FROM records
+            ), last_regen AS (
+                -- the latest regenerate run that produced something: its pace predicts the rest
+                SELECT r.run_id, r.started_at, coalesce(r.ended_at, now()) AS ended_at FROM runs r
+                WHERE r.flow = 'regenerate'
+                  AND EXISTS (SELECT 1 FROM generations g WHERE g.run_id = r.run_id AND g.origin = 'server')
+                ORDER BY r.started_at DESC LIMIT 1
+            ), regen_pace AS (
+                SELECT count(*) AS n, sum(g.completion_tokens) AS tokens,
+                       greatest(epoch(any_value(l.ended_at)) - epoch(any_value(l.started_at)), 1e-3) AS secs
+                FROM generations g JOIN last_regen l USING (run_id)
+            ), regen_counts AS (
+                SELECT
+                    (SELECT count(DISTINCT prompt_id) FROM generations) AS done,
+                    (SELECT count(DISTINCT f.prompt_id) FROM generation_failures f
+                      WHERE NOT EXISTS (SELECT 1 FROM generations g WHERE g.prompt_id = f.prompt_id)) AS failed,
+                    (SELECT count(*) FROM prompts) AS prompts,
+                    (SELECT sum(completion_tokens) FROM generations) AS tokens
+            ), regenerate_row AS (
+                SELECT 'regenerate' AS stage, c.done,
+                       greatest(c.prompts - c.done - c.failed, 0) AS pending, c.failed, c.tokens,
+                       (SELECT tokens / secs FROM regen_pace) AS rate_per_s,
+                       (SELECT CASE WHEN n > 0 THEN to_seconds(greatest(c.prompts - c.done - c.failed, 0) * secs / n) END
+                          FROM regen_pace) AS eta
+                FROM regen_counts c
+            )
+            SELECT * FROM discover_row UNION ALL SELECT * FROM regenerate_row;
+        """,
+    ),
 ]
 
 
@@ -413,6 +503,81 @@ class LineageStore:
             [params, params],
         )
 
+    # ------------------------------------------------------------ regenerate
+
+    def pending_prompts(self, params_key: str, retry_failed: bool, limit: int | None) -> list[tuple[str, list[dict]]]:
+        """Prompts with no generation under `params_key` (and, unless retrying, no recorded failure)."""
+        if not self.path.exists():
+            return []
+        skip_failed = "" if retry_failed else (
+            "AND NOT EXISTS (SELECT 1 FROM generation_failures f WHERE f.prompt_id = p.prompt_id AND f.params_key = ?)"
+        )
+        params = [params_key] + ([] if retry_failed else [params_key])
+        sql = (
+            "SELECT p.prompt_id, p.messages FROM prompts p "
+            "WHERE NOT EXISTS (SELECT 1 FROM generations g WHERE g.prompt_id = p.prompt_id AND g.params_key = ?) "
+            f"{skip_failed} ORDER BY p.created_at, p.prompt_id"
+        )
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        with self.read() as con:
+            return [(pid, msgs) for pid, msgs in con.execute(sql, params).fetchall()]
+
+    def existing_generation_ids(self, ids: list[str]) -> set[str]:
+        if not self.path.exists() or not ids:
+            return set()
+        with self.read() as con:
+            con.register("ids_in", pa.table({"generation_id": ids}))
+            rows = con.execute("SELECT g.generation_id FROM generations g JOIN ids_in USING (generation_id)").fetchall()
+        return {r[0] for r in rows}
+
+    def generation_files(self, params_key: str) -> set[str]:
+        if not self.path.exists():
+            return set()
+        with self.read() as con:
+            rows = con.execute("SELECT file FROM generation_files WHERE params_key = ?", [params_key]).fetchall()
+        return {r[0] for r in rows}
+
+    def write_generations(self, run_id: str, file_row: dict | None, generations: list[dict], failures: list[dict]) -> None:
+        """A Parquet file's lineage, its generations and this batch's failures, in one transaction."""
+        now = _now()
+        with self.write() as con:
+            if file_row is not None:
+                con.execute(
+                    "INSERT INTO generation_files VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    [file_row["file"], file_row["params_key"], file_row["rows"], file_row["bytes"],
+                     file_row["sha256"], run_id, now],
+                )
+            if generations:
+                con.register("gen_in", pa.Table.from_pylist(
+                    [{**g, "run_id": run_id, "created_at": now} for g in generations], schema=_GENERATION_SCHEMA))
+                con.execute(
+                    "INSERT INTO generations SELECT * FROM gen_in ON CONFLICT DO NOTHING"
+                )
+            if failures:
+                con.register("fail_in", pa.Table.from_pylist([{**f, "run_id": run_id, "failed_at": now} for f in failures]))
+                con.execute(
+                    "INSERT INTO generation_failures SELECT generation_id, prompt_id, params_key, reason, attempts, "
+                    "run_id, failed_at FROM fail_in"
+                )
+
+    def generation_summary(self, run_id: str) -> dict:
+        with self.read() as con:
+            row = con.execute(
+                "SELECT count(*), coalesce(sum(completion_tokens), 0), "
+                "count(*) FILTER (WHERE list_contains(flags, 'empty')), "
+                "count(*) FILTER (WHERE list_contains(flags, 'length')), "
+                "count(*) FILTER (WHERE has_token_ids) FROM generations WHERE run_id = ?",
+                [run_id],
+            ).fetchall()[0]
+            failed = con.execute(
+                "SELECT count(DISTINCT prompt_id) FROM generation_failures f WHERE run_id = ? "
+                "AND NOT EXISTS (SELECT 1 FROM generations g WHERE g.generation_id = f.generation_id)",
+                [run_id],
+            ).fetchall()[0][0]
+        keys = ("generations", "completion_tokens", "flagged_empty", "flagged_length", "with_token_ids")
+        return {**dict(zip(keys, row)), "failed": failed}
+
     # ------------------------------------------------------------ reports and exports
 
     def outcome_counts(self, run_id: str | None = None) -> dict[str, int]:
@@ -481,6 +646,30 @@ _PROMPT_SCHEMA = pa.schema([
     ("source", pa.string()),
     ("record_key", pa.string()),
     ("format", pa.string()),
+    ("run_id", pa.string()),
+    ("created_at", pa.timestamp("us", tz="UTC")),
+])
+
+_GENERATION_SCHEMA = pa.schema([
+    ("generation_id", pa.string()),
+    ("prompt_id", pa.string()),
+    ("params_key", pa.string()),
+    ("target_model", pa.string()),
+    ("target_revision", pa.string()),
+    ("template_id", pa.string()),
+    ("mode", pa.string()),
+    ("reasoning", pa.string()),
+    ("origin", pa.string()),
+    ("file", pa.string()),
+    ("n_turns", pa.int32()),
+    ("prompt_tokens", pa.int64()),
+    ("completion_tokens", pa.int64()),
+    ("finish_reasons", pa.list_(pa.string())),
+    ("flags", pa.list_(pa.string())),
+    ("has_token_ids", pa.bool_()),
+    ("latency_s", pa.float64()),
+    ("endpoint", pa.string()),
+    ("served_model", pa.string()),
     ("run_id", pa.string()),
     ("created_at", pa.timestamp("us", tz="UTC")),
 ])

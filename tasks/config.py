@@ -151,10 +151,15 @@ class EmbeddedServerConfig(Strict):
 
 
 class ImportConfig(Strict):
-    """Conversations the target already wrote: imported as finished generations, no server."""
+    """Conversations the target already wrote: imported as finished generations, no server.
+
+    Each record goes through discover's checks (quarantine, decontamination, dedupe) first.
+    """
 
     name: str
-    path: str = Field(description="jsonl: {messages: [...], optional input_ids, loss_mask}")
+    path: str = Field(description="jsonl/json/parquet: {messages|conversations: [...], optional input_ids, loss_mask}")
+    near_dedupe: NearDedupeConfig = Field(default_factory=NearDedupeConfig)
+    decontaminate: DecontaminateConfig = Field(default_factory=DecontaminateConfig)
 
 
 class RegenerateConfig(Strict):

@@ -141,8 +141,13 @@ def normalise_record(
     fmt: str = "auto",
     prompt_field: str = "prompt",
     response_field: str = "response",
+    keep_final_answer: bool = False,
 ) -> Prompt | Quarantine:
-    """One raw record to a prompt, or the reason it cannot be one."""
+    """One raw record to a prompt, or the reason it cannot be one.
+
+    `keep_final_answer` keeps a trailing assistant turn (for importing finished conversations);
+    the prompt id is the same either way.
+    """
     if data is None:
         return Quarantine("unreadable record")
     kind = detect_format(data) if fmt == "auto" else fmt
@@ -192,7 +197,7 @@ def normalise_record(
             messages.append({"role": role, "content": content})
     if not any(m["role"] == "user" for m in messages):
         return Quarantine("no user turn")
-    while messages[-1]["role"] == "assistant":
+    while messages[-1]["role"] == "assistant" and not keep_final_answer:
         messages.pop()
     native = data.get("id")
     return Prompt(

@@ -1,0 +1,229 @@
+"""The `regenerate` flow: every kept prompt answered by the target, exactly once, resumable.
+
+Orchestration only: one regenerate per workspace at a time, cleanup of what a crash left,
+imports, the server (embedded llama.cpp or configured endpoints), batching of durable writes,
+progress (console bar with tokens/s and ETA, Prefect progress and table artifacts). The work is
+in tasks/regenerate.py, HTTP in serving/, persistence in storage/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import hashlib
+import os
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from flows.runinfo import run_metadata
+from serving.client import Endpoint, RetryPolicy, ServerPool
+from storage.datasets import remove_unregistered, write_generation_file
+from storage.lineage import LineageStore
+from tasks.config import RegenerateConfig, config_hash
+from tasks.decontaminate import build_index
+from tasks.outcomes import decide_outcomes
+from tasks.regenerate import GenerationSpec, imported_generations, lineage_row, regenerate_all
+from tasks.sources import read_file
+
+
+@dataclass
+class RegenerateSummary:
+    run_id: str
+    params_key: str
+    generations_dir: str
+    pending_at_start: int = 0
+    requeued_files: int = 0
+    imported: int = 0
+    generated: int = 0
+    failed: int = 0
+    completion_tokens: int = 0
+    flagged_empty: int = 0
+    flagged_length: int = 0
+    with_token_ids: int = 0
+    seconds: float = 0.0
+    endpoints: list[str] = field(default_factory=list)
+
+
+class StageBusy(RuntimeError):
+    pass
+
+
+@contextmanager
+def stage_lock(workspace: Path, stage: str):
+    """One run of a stage per workspace: a second one would re-queue the first one's work."""
+    workspace.mkdir(parents=True, exist_ok=True)
+    fd = os.open(workspace / f".{stage}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StageBusy(f"another {stage} run holds {workspace}; wait for it or stop it") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def _embedded_identity(cfg: RegenerateConfig) -> tuple[Path, str, str]:
+    """The embedded server's GGUF, its revision (file hash) and its chat template's id."""
+    from tasks.target import gguf_chat_template, gguf_revision, smollm2_gguf_path
+
+    gguf = Path(cfg.embedded_server.gguf) if cfg.embedded_server.gguf else smollm2_gguf_path()
+    template = gguf_chat_template(gguf)
+    return gguf, gguf_revision(gguf), "sha256:" + hashlib.sha256(template.encode()).hexdigest()[:16]
+
+
+def _import(cfg: RegenerateConfig, store: LineageStore, spec: GenerationSpec, run_id: str, gen_dir: Path, logger) -> int:
+    imported = 0
+    for imp in cfg.imports:
+        source = f"import:{imp.name}"
+        records, report = read_file(Path(imp.path), source)
+        seen = store.seen_record_keys(source)
+        records = [r for r in records if r.record_key not in seen]
+        if not records:
+            continue
+        batch = decide_outcomes(records, {source: ("auto", "prompt", "response")}, store, imp.near_dedupe,
+                                build_index(imp.decontaminate))
+        store.write_discover_batch(run_id, batch.records, batch.prompts, batch.minhash)
+        candidates = imported_generations(records, batch.records, spec, set())
+        have = store.existing_generation_ids([g["generation_id"] for g in candidates])
+        gens = [g for g in candidates if g["generation_id"] not in have]
+        if gens:
+            name = f"import-{imp.name}-{run_id[:8]}.parquet"
+            size, digest = write_generation_file(gens, gen_dir / name)
+            store.write_generations(run_id, {"file": name, "params_key": spec.params_key, "rows": len(gens),
+                                             "bytes": size, "sha256": digest}, [lineage_row(g, name) for g in gens], [])
+        imported += len(gens)
+        logger.info("import %s: %d records, %d finished generations imported (%s)", imp.name, len(records), len(gens),
+                    report.stop_reason or "read completely")
+    return imported
+
+
+import_task = task(_import, name="import-generations", cache_policy=NO_CACHE)
+
+
+@flow(name="regenerate", log_prints=True)
+def regenerate(config: RegenerateConfig) -> RegenerateSummary:
+    """Answer every pending prompt with the target through a baseline (non-speculative) server."""
+    logger = get_run_logger()
+    ws = Path(config.workspace)
+    with stage_lock(ws, "regenerate"):
+        store = LineageStore(ws / "lineage.duckdb")
+        with ExitStack() as stack:
+            if config.embedded_server is not None:
+                gguf, revision, template_id = _embedded_identity(config)
+                config = config.model_copy(update={"target_revision": revision})
+            else:
+                gguf, template_id = None, config.chat_template_id
+            spec = GenerationSpec.from_config(config, template_id)
+            meta = run_metadata()
+            run_id = store.begin_run("regenerate", config.model_dump(mode="json"), config_hash(config),
+                                     meta["flow_run_id"], meta["git_sha"])
+            summary = RegenerateSummary(run_id=run_id, params_key=spec.params_key,
+                                        generations_dir=str(ws / "data" / "generations" / spec.params_key))
+            try:
+                _regenerate(config, store, spec, gguf, summary, stack, logger)
+            except BaseException as e:
+                store.finish_run(run_id, "FAILED", {"error": f"{type(e).__name__}: {e}"})
+                raise
+        store.finish_run(run_id, "COMPLETED", summary.__dict__)
+    return summary
+
+
+def _regenerate(config: RegenerateConfig, store: LineageStore, spec: GenerationSpec, gguf: Path | None,
+                summary: RegenerateSummary, stack: ExitStack, logger) -> None:
+    gen_dir = Path(summary.generations_dir)
+    # Files written but never committed belong to generations that are still pending: remove
+    # them, and those prompts are simply generated again (in-flight work re-queued).
+    removed = remove_unregistered(gen_dir, store.generation_files(spec.params_key))
+    summary.requeued_files = len(removed)
+    if removed:
+        logger.warning("removed %d uncommitted generation file(s) left by a crash; their prompts are re-queued", len(removed))
+    summary.imported = import_task(config, store, spec, summary.run_id, gen_dir, logger)
+
+    pending = store.pending_prompts(spec.params_key, config.retry_failed, config.limit)
+    summary.pending_at_start = len(pending)
+    if not pending:
+        logger.info("nothing to generate: every prompt has a generation or a recorded failure")
+        _finish(store, summary)
+        return
+
+    if config.embedded_server is not None:
+        from serving.launch import LlamaCppServer
+
+        es = config.embedded_server
+        server = stack.enter_context(LlamaCppServer(gguf=gguf, port=es.port, n_ctx=es.n_ctx, n_threads=es.n_threads,
+                                                    log_path=Path(config.workspace) / "logs" / "llama-server.log"))
+        endpoints = [Endpoint(server.base_url, max_concurrency=1)]  # llama.cpp serves one at a time
+    else:
+        endpoints = [Endpoint(e.url, e.max_concurrency, e.api_key_env, e.api_key_secret_block) for e in config.endpoints]
+    summary.endpoints = [e.url for e in endpoints]
+    policy = RetryPolicy(**config.retry.model_dump())
+
+    artifact_id = create_progress_artifact(progress=0.0, key="regenerate-progress", description="regenerate: prompts answered")
+    seq = [0]
+    started = time.monotonic()
+    tokens = [0]
+    bar = stack.enter_context(Progress(
+        TextColumn("regenerate"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+        TimeRemainingColumn(), transient=True))
+    job = bar.add_task("regenerate", total=len(pending), rate="")
+
+    def write_batch(gens: list[dict], fails: list[dict]) -> None:
+        name = None
+        file_row = None
+        if gens:
+            seq[0] += 1
+            name = f"part-{summary.run_id[:12]}-{seq[0]:05d}.parquet"
+            size, digest = write_generation_file(gens, gen_dir / name)
+            file_row = {"file": name, "params_key": spec.params_key, "rows": len(gens), "bytes": size, "sha256": digest}
+        rows = [lineage_row(g, name) for g in gens]
+        store.write_generations(summary.run_id, file_row, rows, fails)
+        tokens[0] += sum(r["completion_tokens"] or 0 for r in rows)
+        rate = tokens[0] / max(time.monotonic() - started, 1e-6)
+        bar.update(job, advance=len(gens) + len(fails), rate=f"{rate:,.0f} tok/s")
+        done = bar.tasks[0].completed
+        update_progress_artifact(artifact_id, progress=100.0 * done / len(pending))
+
+    async def run() -> tuple[int, int]:
+        async with ServerPool(endpoints, policy) as pool:
+            concurrency = sum(e.max_concurrency for e in endpoints)
+            return await regenerate_all(pool, pending, config, spec, write_batch, concurrency)
+
+    summary.generated, summary.failed = asyncio.run(run())
+    summary.seconds = time.monotonic() - started
+    _finish(store, summary)
+
+
+def _finish(store: LineageStore, summary: RegenerateSummary) -> None:
+    counts = store.generation_summary(summary.run_id)
+    summary.completion_tokens = counts["completion_tokens"]
+    summary.flagged_empty = counts["flagged_empty"]
+    summary.flagged_length = counts["flagged_length"]
+    summary.with_token_ids = counts["with_token_ids"]
+    create_table_artifact(
+        key="regenerate-summary",
+        table=summary_table(summary),
+        description=f"regenerate run {summary.run_id} (generation parameters {summary.params_key})",
+    )
+
+
+def summary_table(s: RegenerateSummary) -> list[dict]:
+    rate = s.completion_tokens / s.seconds if s.seconds else 0.0
+    return [
+        {"what": "pending at start", "value": s.pending_at_start},
+        {"what": "generated", "value": s.generated},
+        {"what": "failed (recorded with reason)", "value": s.failed},
+        {"what": "imported (no server)", "value": s.imported},
+        {"what": "completion tokens", "value": s.completion_tokens},
+        {"what": "tokens/s", "value": round(rate, 1)},
+        {"what": "flagged empty", "value": s.flagged_empty},
+        {"what": "flagged length", "value": s.flagged_length},
+        {"what": "uncommitted files removed (re-queued)", "value": s.requeued_files},
+    ]
