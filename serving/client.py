@@ -12,6 +12,7 @@ environment (or a Prefect Secret block) at call time and never appear in a messa
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -69,10 +70,11 @@ class RequestFailed(RuntimeError):
 
 
 class _Retryable(Exception):
-    def __init__(self, reason: str, retry_after_s: float | None = None):
+    def __init__(self, reason: str, retry_after_s: float | None = None, transport: bool = False):
         super().__init__(reason)
         self.reason = reason
         self.retry_after_s = retry_after_s
+        self.transport = transport  # the server did not answer at all (refused, reset, timeout)
 
 
 class _Fatal(Exception):
@@ -109,14 +111,13 @@ class _EndpointState:
     def __init__(self, ep: Endpoint):
         self.ep = ep
         self.outstanding = 0
-        self.consecutive_failures = 0
-        self.ejected_until = 0.0
+        self.free_slots = list(range(ep.max_concurrency))
+        self.clients: list[httpx.AsyncClient] = []
+        self.failing_requests: set[int] = set()  # distinct requests failed since the last success
+        self.ejected = False
+        self.probe_task: asyncio.Task | None = None
         self.requests = 0
         self.failures = 0
-
-    @property
-    def available(self) -> bool:
-        return time.monotonic() >= self.ejected_until
 
 
 @dataclass
@@ -172,6 +173,16 @@ def parse_sglang_generate(body: bytes, endpoint: str) -> dict:
     }
 
 
+# httpx's pool scans its open connections on every request, so one client with hundreds of
+# connections costs milliseconds of CPU per request; shards of a few connections each do not
+# (benchmarks/regenerate_client.py measured 4.6 -> 1.2 ms at 64 in flight).
+_CONNECTIONS_PER_CLIENT = 8
+
+
+class _NoEndpoint(Exception):
+    pass
+
+
 class ServerPool:
     """Requests spread over endpoints; use as `async with ServerPool(...) as pool`."""
 
@@ -181,131 +192,158 @@ class ServerPool:
         self.policy = policy or RetryPolicy()
         self._states = [_EndpointState(ep) for ep in endpoints]
         self._rng = random.Random(seed)
-        self._client: httpx.AsyncClient | None = None
         self._keys: dict[str, str | None] = {}
+        self._request_ids = itertools.count()
         self.stats = PoolStats()
         self._changed = asyncio.Condition()
 
     async def __aenter__(self) -> "ServerPool":
-        limits = httpx.Limits(
-            max_connections=sum(s.ep.max_concurrency for s in self._states) + len(self._states),
-            max_keepalive_connections=sum(s.ep.max_concurrency for s in self._states),
-        )
+        # Keys first: a missing one fails before any connection pool exists.
+        self._keys = {s.ep.url: resolve_api_key(s.ep) for s in self._states}
         timeout = httpx.Timeout(self.policy.read_timeout_s, connect=self.policy.connect_timeout_s)
-        self._client = httpx.AsyncClient(limits=limits, timeout=timeout)
+        limits = httpx.Limits(max_connections=_CONNECTIONS_PER_CLIENT, max_keepalive_connections=_CONNECTIONS_PER_CLIENT)
         for s in self._states:
-            self._keys[s.ep.url] = resolve_api_key(s.ep)
+            shards = -(-s.ep.max_concurrency // _CONNECTIONS_PER_CLIENT)
+            s.clients = [httpx.AsyncClient(limits=limits, timeout=timeout) for _ in range(shards)]
         return self
 
     async def __aexit__(self, *exc) -> None:
-        if self._client is not None:
-            await self._client.aclose()
+        for s in self._states:
+            if s.probe_task is not None:
+                s.probe_task.cancel()
+            for c in s.clients:
+                await c.aclose()
 
     # -------------------------------------------------------------- endpoint choice
 
-    async def _acquire(self) -> _EndpointState:
-        """The available endpoint with the fewest outstanding requests (ties broken at random)."""
+    async def _acquire(self) -> tuple[_EndpointState, int]:
+        """The live endpoint with the fewest outstanding requests (ties at random), and a slot on it.
+
+        Raises _NoEndpoint when every endpoint stays ejected for two probe intervals.
+        """
+        all_out_since = None
         while True:
-            now = time.monotonic()
-            live = [s for s in self._states if s.available and s.outstanding < s.ep.max_concurrency]
+            live = [s for s in self._states if not s.ejected and s.outstanding < s.ep.max_concurrency]
             if live:
                 low = min(s.outstanding for s in live)
                 state = self._rng.choice([s for s in live if s.outstanding == low])
                 state.outstanding += 1  # no await since the check: the slot is ours
-                return state
-            ejected = [s for s in self._states if not s.available]
-            if len(ejected) == len(self._states):
-                # Everything is out: probe the endpoint due back first instead of spinning.
-                first = min(ejected, key=lambda s: s.ejected_until)
-                await asyncio.sleep(max(0.0, first.ejected_until - now))
-                if await self._probe(first):
-                    first.ejected_until = 0.0
-                else:
-                    first.ejected_until = time.monotonic() + self.policy.probe_interval_s
-                continue
+                return state, state.free_slots.pop()
+            if all(s.ejected for s in self._states):
+                now = time.monotonic()
+                all_out_since = all_out_since or now
+                if now - all_out_since > 2 * self.policy.probe_interval_s:
+                    raise _NoEndpoint("no endpoint available: every endpoint is ejected and failing its probe")
             async with self._changed:
                 try:
                     await asyncio.wait_for(self._changed.wait(), timeout=0.5)
                 except asyncio.TimeoutError:
                     pass
 
-    async def _release(self, state: _EndpointState, ok: bool) -> None:
+    async def _release(self, state: _EndpointState, slot: int, failure_token: int | None) -> None:
+        """Give the slot back; `failure_token` is None on success, else what the failure counts as."""
         state.outstanding -= 1
+        state.free_slots.append(slot)
         state.requests += 1
         self.stats.requests[state.ep.url] = state.requests
-        if ok:
-            state.consecutive_failures = 0
+        if failure_token is None:
+            state.failing_requests.clear()
         else:
             state.failures += 1
-            state.consecutive_failures += 1
             self.stats.failures[state.ep.url] = state.failures
-            if state.consecutive_failures >= self.policy.eject_after_failures and state.available:
-                state.ejected_until = time.monotonic() + self.policy.probe_interval_s
+            state.failing_requests.add(failure_token)
+            if len(state.failing_requests) >= self.policy.eject_after_failures and not state.ejected:
+                state.ejected = True
                 self.stats.ejections += 1
+                state.probe_task = asyncio.create_task(self._probe_until_back(state))
         async with self._changed:
             self._changed.notify_all()
 
-    async def _probe(self, state: _EndpointState) -> bool:
-        try:
-            r = await self._client.get(state.ep.url.rstrip("/") + "/v1/models", headers=self._headers(state), timeout=5.0)
-            ok = r.status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        if ok:
-            state.consecutive_failures = 0
-        return ok
+    async def _probe_until_back(self, state: _EndpointState) -> None:
+        """An ejected endpoint gets no real request until GET /v1/models answers 200 again."""
+        while True:
+            await asyncio.sleep(self.policy.probe_interval_s)
+            try:
+                r = await state.clients[0].get(state.ep.url.rstrip("/") + "/v1/models", headers=self._headers(state), timeout=5.0)
+                if r.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+        state.ejected = False
+        state.failing_requests.clear()
+        state.probe_task = None
+        async with self._changed:
+            self._changed.notify_all()
 
     def _headers(self, state: _EndpointState) -> dict:
         key = self._keys.get(state.ep.url)
         return {"Authorization": f"Bearer {key}"} if key else {}
 
+    def _redact(self, text: str) -> str:
+        for key in self._keys.values():
+            if key:
+                text = text.replace(key, "[redacted]")
+        return text
+
     # -------------------------------------------------------------- requests
 
-    async def _send_once(self, state: _EndpointState, payload: dict, path: str) -> dict:
+    async def _send_once(self, state: _EndpointState, slot: int, payload: dict, path: str) -> dict:
         url = state.ep.url.rstrip("/") + path
+        client = state.clients[slot // _CONNECTIONS_PER_CLIENT]
         try:
-            r = await self._client.post(url, json=payload, headers=self._headers(state))
+            r = await client.post(url, json=payload, headers=self._headers(state))
             body = await r.aread()
         except httpx.TimeoutException as e:
-            raise _Retryable(f"timeout ({type(e).__name__}) from {state.ep.url}") from None
+            raise _Retryable(f"timeout ({type(e).__name__}) from {state.ep.url}", transport=True) from None
         except (httpx.TransportError, httpx.DecodingError) as e:
-            raise _Retryable(f"connection error ({type(e).__name__}) from {state.ep.url}") from None
+            raise _Retryable(f"connection error ({type(e).__name__}) from {state.ep.url}", transport=True) from None
         if r.status_code == 429:
             raise _Retryable(f"HTTP 429 from {state.ep.url}", _retry_after(r.headers))
         if r.status_code >= 500:
             raise _Retryable(f"HTTP {r.status_code} from {state.ep.url}", _retry_after(r.headers))
         if r.status_code >= 400:
-            raise _Fatal(f"HTTP {r.status_code} from {state.ep.url}: {body[:300].decode(errors='replace')}")
+            detail = self._redact(body[:300].decode(errors="replace"))  # servers may echo headers
+            raise _Fatal(f"HTTP {r.status_code} from {state.ep.url}: {detail}")
         parse = parse_sglang_generate if path == "/generate" else parse_chat_response
         return parse(body, state.ep.url)
 
     async def request(self, payload: dict, path: str = "/v1/chat/completions") -> ChatResult:
         """POST `payload`, retrying what can be retried; raises RequestFailed when attempts run out."""
         reason = "no attempt made"
+        request_id = next(self._request_ids)
         for attempt in range(1, self.policy.max_attempts + 1):
-            state = await self._acquire()
-            start = time.perf_counter()
+            retry_after = None
             try:
-                fields = await self._send_once(state, payload, path)
-            except _Retryable as e:
-                await self._release(state, ok=False)
-                reason = e.reason
-                if attempt == self.policy.max_attempts:
-                    break
-                backoff = min(self.policy.backoff_max_s, self.policy.backoff_base_s * 2 ** (attempt - 1))
-                delay = self._rng.uniform(0, backoff)  # full jitter
-                if e.retry_after_s is not None:
-                    delay = max(delay, min(e.retry_after_s, self.policy.backoff_max_s))
-                await asyncio.sleep(delay)
-                continue
-            except _Fatal as e:
-                await self._release(state, ok=True)  # the endpoint works; the request is bad
-                raise RequestFailed(str(e), attempt) from None
-            except BaseException:
-                await self._release(state, ok=True)
-                raise
-            await self._release(state, ok=True)
-            return ChatResult(**fields, endpoint=state.ep.url, latency_s=time.perf_counter() - start, attempts=attempt)
+                state, slot = await self._acquire()
+            except _NoEndpoint as e:
+                reason = str(e)
+            else:
+                start = time.perf_counter()
+                try:
+                    fields = await self._send_once(state, slot, payload, path)
+                except _Retryable as e:
+                    # A server that does not answer counts every attempt against it; an error
+                    # answer counts once per request, so one poisoned prompt retried on a
+                    # healthy server cannot take that server out.
+                    token = next(self._request_ids) if e.transport else request_id
+                    await self._release(state, slot, token)
+                    reason, retry_after = self._redact(e.reason), e.retry_after_s
+                except _Fatal as e:
+                    await self._release(state, slot, None)  # the endpoint works; the request is bad
+                    raise RequestFailed(str(e), attempt) from None
+                except BaseException:
+                    await self._release(state, slot, None)
+                    raise
+                else:
+                    await self._release(state, slot, None)
+                    return ChatResult(**fields, endpoint=state.ep.url, latency_s=time.perf_counter() - start, attempts=attempt)
+            if attempt == self.policy.max_attempts:
+                break
+            backoff = min(self.policy.backoff_max_s, self.policy.backoff_base_s * 2 ** (attempt - 1))
+            delay = self._rng.uniform(0, backoff)  # full jitter
+            if retry_after is not None:
+                delay = max(delay, min(retry_after, self.policy.backoff_max_s))
+            await asyncio.sleep(delay)
         raise RequestFailed(reason, self.policy.max_attempts)
 
     async def chat(self, messages: list[dict], model: str | None = None, **params) -> ChatResult:

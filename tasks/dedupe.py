@@ -38,14 +38,21 @@ def fmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> _U64(33))
 
 
-@lru_cache(maxsize=4)
+_POWERS: tuple[np.ndarray, np.ndarray] = (np.ones(1, _U64), np.ones(1, _U64))
+
+
 def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
-    p = np.full(n, _P, dtype=_U64)
-    p[0] = 1
-    q = np.full(n, _P_INV, dtype=_U64)
-    q[0] = 1
-    with np.errstate(over="ignore"):
-        return np.cumprod(p, dtype=_U64), np.cumprod(q, dtype=_U64)
+    """P**k and P**-k for k < n (mod 2**64): one table, grown by doubling, sliced per chunk."""
+    global _POWERS
+    if len(_POWERS[0]) < n:
+        size = 1 << (n - 1).bit_length()  # next power of two: few regrowths, none per chunk
+        p = np.full(size, _P, dtype=_U64)
+        p[0] = 1
+        q = np.full(size, _P_INV, dtype=_U64)
+        q[0] = 1
+        with np.errstate(over="ignore"):
+            _POWERS = (np.cumprod(p, dtype=_U64), np.cumprod(q, dtype=_U64))
+    return _POWERS[0][:n], _POWERS[1][:n]
 
 
 def _token_hashes_chunk(texts: list[str], unit: str) -> tuple[np.ndarray, np.ndarray]:
@@ -110,12 +117,11 @@ def ngram_hashes(texts: list[str], ngram: int, unit: str = "word", canonical: bo
     if not canonical:
         texts = [canonical_text(t) for t in texts]
     out_h, out_d = [], []
+    # Chunks of about _CHUNK_BYTES characters bound the temporary arrays.
+    ends = np.cumsum([len(t) + 1 for t in texts])
     start = 0
     while start < len(texts):
-        size, stop = 0, start
-        while stop < len(texts) and (size < _CHUNK_BYTES or stop == start):
-            size += len(texts[stop]) + 1
-            stop += 1
+        stop = max(start + 1, int(np.searchsorted(ends, (ends[start - 1] if start else 0) + _CHUNK_BYTES)))
         h, d = _token_hashes_chunk(texts[start:stop], unit)
         sh, sd = _combine(h, d, stop - start, ngram)
         out_h.append(sh)
@@ -142,6 +148,8 @@ def _densify_table(num_perm: int, attempts: int = 64) -> np.ndarray:
 
 def signatures(texts: list[str], num_perm: int = 128, ngram: int = 5, unit: str = "word") -> np.ndarray:
     """MinHash signatures, shape (len(texts), num_perm), uint32. A text with no token gets all-zero."""
+    if num_perm & (num_perm - 1):
+        raise ValueError(f"num_perm must be a power of two, got {num_perm}")
     n_docs = len(texts)
     h, doc = ngram_hashes(texts, ngram, unit)
     bits = num_perm.bit_length() - 1
@@ -150,23 +158,21 @@ def signatures(texts: list[str], num_perm: int = 128, ngram: int = 5, unit: str 
     sig = np.full(n_docs * num_perm, _EMPTY, dtype=_U64)
     np.minimum.at(sig, doc * num_perm + bins, vals)
     sig = sig.reshape(n_docs, num_perm)
-    empty = sig == _EMPTY
-    if empty.any():
-        original = ~empty
-        rows = np.flatnonzero(empty.any(axis=1) & original.any(axis=1))
-        table = _densify_table(num_perm)
-        sub, sub_orig, todo = sig[rows], original[rows], empty[rows]
-        for donors in table:
-            take = todo & sub_orig[:, donors]
-            sub[take] = sub[:, donors][take]
-            todo &= ~take
-            if not todo.any():
-                break
-        if todo.any():  # vanishingly rare: fall back to the first non-empty bin
-            first = sub_orig.argmax(axis=1)
-            sub[todo] = np.broadcast_to(sub[np.arange(len(sub)), first][:, None], sub.shape)[todo]
-        sig[rows] = sub
-        sig[~original.any(axis=1)] = 0
+    original = sig != _EMPTY
+    rows, cols = np.nonzero(~original & original.any(axis=1)[:, None])
+    # Optimal densification, visiting only the empty bins: each takes the value of the first
+    # originally non-empty bin along its fixed donor sequence.
+    for donors in _densify_table(num_perm):
+        if not len(rows):
+            break
+        d = donors[cols]
+        ok = original[rows, d]
+        sig[rows[ok], cols[ok]] = sig[rows[ok], d[ok]]
+        rows, cols = rows[~ok], cols[~ok]
+    if len(rows):  # texts with very few shingles: the first non-empty bin
+        first = original.argmax(axis=1)
+        sig[rows, cols] = sig[rows, first[rows]]
+    sig[~original.any(axis=1)] = 0
     return (sig & _U64(0xFFFFFFFF)).astype(np.uint32)
 
 

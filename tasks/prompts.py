@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import unicodedata
 from dataclasses import dataclass
 
@@ -65,12 +64,9 @@ def clean_content(text: str) -> str:
     return unicodedata.normalize("NFC", text.replace("\r\n", "\n").replace("\r", "\n")).strip()
 
 
-_SPACE = re.compile(r"\s+")
-
-
 def canonical_text(text: str) -> str:
     """The exact-dedupe form: NFKC, case-folded, whitespace runs collapsed to one space."""
-    return _SPACE.sub(" ", unicodedata.normalize("NFKC", text).casefold()).strip()
+    return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
 
 
 def prompt_id_of(messages: list[dict]) -> str:

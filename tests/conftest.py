@@ -39,16 +39,18 @@ def prefect_api() -> str:
 
     url, proc = start_local_api(_PREFECT_HOME, _PORT)
     assert url == os.environ["PREFECT_API_URL"]
-    yield url
-    from prefect.logging.handlers import APILogWorker
+    try:
+        yield url
+        from prefect.logging.handlers import APILogWorker
 
-    APILogWorker.drain_all(timeout=10)  # send the last flow logs before the server goes away
-    if proc is not None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except Exception:
-            proc.kill()
+        APILogWorker.drain_all(timeout=10)  # send the last flow logs before the server goes away
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except Exception:
+                proc.kill()
 
 
 @pytest.fixture

@@ -8,9 +8,6 @@ Authorization header, and how many chat requests were in flight at once (GET /_s
 Tests assert correctness and bounds, never speed. The one elapsed-time check (429 Retry-After) is a
 lower bound: a retry must not happen before the server said it may.
 
-Tests marked xfail(strict=True) pin promises the client does not keep yet (see each reason); when
-the client is fixed they start passing, strict xfail turns that into a failure, and the marker
-should then be removed.
 """
 
 from __future__ import annotations
@@ -144,12 +141,12 @@ class TracingPool(ServerPool):
         self.max_inflight: Counter = Counter()
         self.retry_reasons: list[str] = []
 
-    async def _send_once(self, state, payload, path):
+    async def _send_once(self, state, slot, payload, path):
         url = state.ep.url
         self.inflight[url] += 1
         self.max_inflight[url] = max(self.max_inflight[url], self.inflight[url])
         try:
-            return await super()._send_once(state, payload, path)
+            return await super()._send_once(state, slot, payload, path)
         except Exception as e:
             self.retry_reasons.append(getattr(e, "reason", str(e)))
             raise
@@ -316,17 +313,15 @@ def test_when_every_endpoint_is_out_a_models_probe_brings_one_back(servers):
 
     r = run(main())
     assert r.content == answer_for(user("wait for me"), NO_LIMIT)[0]
-    assert r.attempts == 3  # two refused, then (after the probe) one that worked
+    # two refused, then one that worked after the probe; waiting for a probe longer than two
+    # probe intervals counts as an attempt too (the wait is bounded), so a slow start adds some
+    assert 3 <= r.attempts <= 6
     seen = [(m, p) for m, p, _ in server_stats(url)["seen"]]
     assert ("GET", "/v1/models") in seen
     assert seen.index(("GET", "/v1/models")) < seen.index(("POST", "/v1/chat/completions"))
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason=(
-    "client bug: while another endpoint is live, an ejected endpoint is never probed; "
-    "`_EndpointState.available` turns true once `ejected_until` passes, so real requests are sent "
-    "to it every probe_interval_s and it is re-ejected again and again"))
 def test_an_ejected_endpoint_that_stays_dead_gets_no_more_real_requests(servers):
     good = servers.start()
     dead = f"http://127.0.0.1:{free_port()}"
@@ -350,9 +345,6 @@ def test_an_ejected_endpoint_that_stays_dead_gets_no_more_real_requests(servers)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason=(
-    "client bug: with another endpoint live, an ejected endpoint is readmitted by the clock, "
-    "not by a GET /v1/models probe; its first request after coming back is a real one"))
 def test_an_ejected_endpoint_is_readmitted_only_after_a_models_probe(servers):
     good = servers.start()
     port = free_port()
@@ -470,9 +462,6 @@ def test_a_missing_key_variable_is_named_in_a_clear_error(monkeypatch):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason=(
-    "client gap: a 4xx body is copied into RequestFailed verbatim (`body[:300]`), so a server or "
-    "proxy that echoes the Authorization header in its error leaks the key into the message"))
 def test_a_server_echoing_the_key_in_an_error_does_not_leak_it(servers, monkeypatch):
     secret = "sk-test-" + secrets.token_hex(12)
     monkeypatch.setenv(KEY_VAR, secret)
