@@ -17,7 +17,9 @@ $(STAMP): pyproject.toml
 	touch $@
 
 demo: install
-	$(VENV)/bin/eagle3 discover --config configs/demo.yaml --workspace $(WORKSPACE)
+	$(VENV)/bin/eagle3 discover   --config configs/demo.yaml --workspace $(WORKSPACE)
+	$(VENV)/bin/eagle3 regenerate --config configs/demo.yaml --workspace $(WORKSPACE)
+	$(VENV)/bin/eagle3 status     --config configs/demo.yaml --workspace $(WORKSPACE)
 
 test: install
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m pytest -q

@@ -64,6 +64,11 @@ def _print_rows(cols: list[str], rows: list[tuple], fmt: OutputFormat, title: st
         console.print(t)
 
 
+def _print_dicts(rows: list[dict], title: str) -> None:
+    """A flow's summary table (the same rows its Prefect table artifact holds)."""
+    _print_rows(list(rows[0]), [tuple(r.values()) for r in rows], OutputFormat.table, title)
+
+
 def _run_flow(fn, *args, **kwargs):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -82,12 +87,7 @@ def discover(config: Path = ConfigOpt, workspace: Optional[str] = WorkspaceOpt) 
 
     cfg = _config(config, workspace)
     summary = _run_flow(discover_flow, cfg.discover)
-    t = Table(title=f"discover run {summary.run_id}")
-    t.add_column("outcome")
-    t.add_column("records", justify="right")
-    for row in outcome_table(summary):
-        t.add_row(row["outcome"], f"{row['records']:,}")
-    console.print(t)
+    _print_dicts(outcome_table(summary), f"discover run {summary.run_id}")
     for line in summary.truncated_sources:
         console.print(f"[yellow]stopped early[/yellow] {line}", highlight=False)
     if summary.top_quarantine_reasons:
@@ -115,12 +115,7 @@ def regenerate(
     if limit is not None:
         update["limit"] = limit
     summary = _run_flow(regenerate_flow, cfg.regenerate.model_copy(update=update))
-    t = Table(title=f"regenerate run {summary.run_id}")
-    t.add_column("what")
-    t.add_column("value", justify="right")
-    for row in summary_table(summary):
-        t.add_row(row["what"], f"{row['value']:,}")
-    console.print(t)
+    _print_dicts(summary_table(summary), f"regenerate run {summary.run_id}")
     console.print(f"generations in {summary.generations_dir}", highlight=False)
 
 

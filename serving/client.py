@@ -198,8 +198,9 @@ class ServerPool:
         self._changed = asyncio.Condition()
 
     async def __aenter__(self) -> "ServerPool":
-        # Keys first: a missing one fails before any connection pool exists.
-        self._keys = {s.ep.url: resolve_api_key(s.ep) for s in self._states}
+        # Keys first: a missing one fails before any connection pool exists. A worker thread, since
+        # Prefect's Secret.load is sync-or-async depending on whether a loop runs in the caller.
+        self._keys = {s.ep.url: await asyncio.to_thread(resolve_api_key, s.ep) for s in self._states}
         timeout = httpx.Timeout(self.policy.read_timeout_s, connect=self.policy.connect_timeout_s)
         limits = httpx.Limits(max_connections=_CONNECTIONS_PER_CLIENT, max_keepalive_connections=_CONNECTIONS_PER_CLIENT)
         for s in self._states:

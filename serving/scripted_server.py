@@ -69,6 +69,14 @@ class Scripted:
         if method == "GET" and path in ("/health", "/v1/models"):
             payload = {"object": "list", "data": [{"id": self.args.model}]} if path == "/v1/models" else {"ok": True}
             return await self.send(writer, 200, json.dumps(payload).encode())
+        if method == "POST" and path == "/generate":  # SGLang's native API: token ids and meta_info
+            req = json.loads(body)
+            ids = [int(x, 16) for x in answer_for([{"role": "user", "content": req.get("text", "")}], 1 << 30)[0].split()]
+            n = int((req.get("sampling_params") or {}).get("max_new_tokens") or len(ids))
+            out = {"text": " ".join(map(str, ids[:n])), "output_ids": ids[:n], "meta_info": {
+                "prompt_tokens": len(req.get("text", "").split()), "completion_tokens": min(n, len(ids)),
+                "finish_reason": {"type": "length" if n < len(ids) else "stop"}}}
+            return await self.send(writer, 200, json.dumps(out).encode())
         if method != "POST" or path != "/v1/chat/completions":
             return await self.send(writer, 404, b'{"error": "not found"}')
         self.requests += 1

@@ -90,16 +90,15 @@ class NgramIndex:
             pick = [i for i, n in enumerate(lengths) if (n >= ngram if size == ngram else n == size)]
             if not pick:
                 continue
-            h, d = ngram_hashes([canon[i] for i in pick], size, canonical=True)
+            h, d = ngram_hashes([canon[i] for i in pick], size)
             order = np.argsort(h, kind="stable")
             self.tables[size] = (h[order], np.asarray(pick)[d[order]])
 
     def first_match(self, texts: list[str]) -> list[str | None]:
         """For each text, the id of an eval item sharing an n-gram with it (lowest item index)."""
-        canon = [canonical_text(t) for t in texts]
         best = np.full(len(texts), np.iinfo(np.int64).max, dtype=np.int64)
         for size, (hashes, item_of) in self.tables.items():
-            h, d = ngram_hashes(canon, size, canonical=True)
+            h, d = ngram_hashes(texts, size)
             pos = np.searchsorted(hashes, h)
             pos_ok = np.minimum(pos, len(hashes) - 1)
             hit = hashes[pos_ok] == h

@@ -5,16 +5,21 @@ deterministic results across processes and runs (no Python `hash`), so signature
 stored in the lineage store stay comparable with every later batch.
 
 Why not datasketch: it computes `num_perm` hashes per shingle one document at a time. Here the
-whole batch is hashed at once in numpy and the signature uses one-permutation hashing with
-optimal densification (Shrivastava, ICML 2017): one hash per shingle, split into `num_perm`
-bins, empty bins filled from a seeded choice of non-empty ones. It estimates Jaccard like
-`num_perm` independent permutations do, at a fraction of the cost (benchmarks/dedupe.py).
+batch is canonicalised in one pass, hashed in numpy in chunks on every core, and the signature
+uses one-permutation hashing with optimal densification (Shrivastava, ICML 2017): one hash per
+shingle, split into `num_perm` bins, empty bins filled from a seeded choice of non-empty ones. It
+estimates Jaccard like `num_perm` independent permutations do, at a fraction of the cost
+(benchmarks/dedupe.py).
 """
 
 from __future__ import annotations
 
+import os
+import unicodedata
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
+from typing import Callable
 
 import numpy as np
 
@@ -26,7 +31,7 @@ _P_INV = _U64(pow(0x100000001B3, -1, 1 << 64))
 _M1 = _U64(0xFF51AFD7ED558CCD)
 _M2 = _U64(0xC4CEB9FE1A85EC53)
 _MIX = _U64(0x9E3779B97F4A7C15)
-_CHUNK_BYTES = 8 << 20
+_CHUNK_BYTES = 1 << 20  # small chunks: a small powers table, balanced threads
 
 
 def fmix64(x: np.ndarray) -> np.ndarray:
@@ -55,18 +60,36 @@ def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
     return _POWERS[0][:n], _POWERS[1][:n]
 
 
-def _token_hashes_chunk(texts: list[str], unit: str) -> tuple[np.ndarray, np.ndarray]:
-    """Hash of every token (word or character) of canonical texts, with the text each belongs to."""
-    if unit == "char":
-        parts = [np.frombuffer(t.encode("utf-32-le"), dtype=np.uint32) for t in texts]
-        lengths = np.array([len(p) for p in parts], dtype=np.int64)
-        toks = np.concatenate(parts).astype(_U64) if parts else np.zeros(0, _U64)
-        doc = np.repeat(np.arange(len(texts), dtype=np.int64), lengths)
-        return fmix64(toks + _MIX), doc
-    blob = np.frombuffer("\n".join(texts).encode("utf-8"), dtype=np.uint8)
+# Whitespace that NFKC leaves as it is; str.split() (and so canonical_text) separates on it too.
+_OTHER_SPACES = ("\x85", "\u1680", "\u2028", "\u2029")
+_WS_BYTE = np.zeros(256, dtype=bool)
+_WS_BYTE[[9, 10, 11, 12, 13, 28, 29, 30, 31, 32]] = True
+
+
+def _canonical_blob(texts: list[str]) -> np.ndarray:
+    """All texts canonicalised at once (NFKC, case-folded), NUL between texts, as UTF-8 bytes.
+
+    Equal, token for token, to `canonical_text` of each text, without its per-text split and
+    join: the tokenizer splits on whitespace bytes itself. A NUL inside a text is treated as
+    whitespace.
+    """
+    # Per text, so an all-ASCII text (most of them) skips normalisation: one non-ASCII text would
+    # otherwise send the whole joined string down NFKC's slow path.
+    parts = [t.lower() if t.isascii() else unicodedata.normalize("NFKC", t).casefold() for t in texts]
+    blob = "\x00".join(parts)
+    if blob.count("\x00") != len(texts) - 1:
+        blob = "\x00".join(t.replace("\x00", " ") for t in parts)
+    for space in _OTHER_SPACES:
+        if space in blob:
+            blob = blob.replace(space, " ")
+    return np.frombuffer(blob.encode("utf-8"), dtype=np.uint8)
+
+
+def _word_hashes(blob: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Hash of every word of a NUL-separated canonical blob, with the text (0-based) it is in."""
     n = len(blob)
-    is_nl = blob == 10
-    seps = np.flatnonzero((blob == 32) | is_nl)
+    is_end = blob == 0
+    seps = np.flatnonzero(_WS_BYTE[blob] | is_end)
     starts = np.concatenate(([0], seps + 1))
     ends = np.concatenate((seps, [n]))
     keep = ends > starts
@@ -76,10 +99,19 @@ def _token_hashes_chunk(texts: list[str], unit: str) -> tuple[np.ndarray, np.nda
     pw, pinv = _powers(max(n, 1))
     with np.errstate(over="ignore"):
         c = np.zeros(n + 1, dtype=_U64)
-        np.cumsum(blob.astype(_U64) * pinv[:n], dtype=_U64, out=c[1:])
+        np.cumsum(blob.astype(_U64) * pinv, dtype=_U64, out=c[1:])
         h = pw[ends - 1] * (c[ends] - c[starts]) + (ends - starts).astype(_U64) * _MIX
-    doc = np.searchsorted(np.flatnonzero(is_nl), starts)
+    doc = np.searchsorted(np.flatnonzero(is_end), starts)
     return fmix64(h), doc
+
+
+def _char_hashes(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Hash of every character of canonical texts, with the text each belongs to."""
+    parts = [np.frombuffer(t.encode("utf-32-le"), dtype=np.uint32) for t in texts]
+    lengths = np.array([len(p) for p in parts], dtype=np.int64)
+    toks = np.concatenate(parts).astype(_U64) if parts else np.zeros(0, _U64)
+    doc = np.repeat(np.arange(len(texts), dtype=np.int64), lengths)
+    return fmix64(toks + _MIX), doc
 
 
 def _combine(h: np.ndarray, doc: np.ndarray, n_docs: int, ngram: int) -> tuple[np.ndarray, np.ndarray]:
@@ -112,24 +144,53 @@ def _combine(h: np.ndarray, doc: np.ndarray, n_docs: int, ngram: int) -> tuple[n
     return np.concatenate(parts_h), np.concatenate(parts_d)
 
 
-def ngram_hashes(texts: list[str], ngram: int, unit: str = "word", canonical: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Hashes of all n-grams of every text (canonicalised unless `canonical`), with text indexes."""
-    if not canonical:
-        texts = [canonical_text(t) for t in texts]
-    out_h, out_d = [], []
-    # Chunks of about _CHUNK_BYTES characters bound the temporary arrays.
-    ends = np.cumsum([len(t) + 1 for t in texts])
-    start = 0
-    while start < len(texts):
-        stop = max(start + 1, int(np.searchsorted(ends, (ends[start - 1] if start else 0) + _CHUNK_BYTES)))
-        h, d = _token_hashes_chunk(texts[start:stop], unit)
-        sh, sd = _combine(h, d, stop - start, ngram)
-        out_h.append(sh)
-        out_d.append(sd + start)
-        start = stop
-    if not out_h:
+def _chunk_jobs(texts: list[str], unit: str) -> list[tuple[int, int, Callable[[], tuple[np.ndarray, np.ndarray]]]]:
+    """(first text, text count, token hasher) per chunk of about _CHUNK_BYTES of text."""
+    if not texts:
+        return []
+    if unit == "char":
+        canon = [canonical_text(t) for t in texts]
+        ends = np.cumsum([len(t) + 1 for t in canon])
+        cuts = _cuts(ends)
+        return [(a, b - a, partial(_char_hashes, canon[a:b])) for a, b in zip(cuts[:-1], cuts[1:])]
+    blob = _canonical_blob(texts)
+    text_ends = np.concatenate((np.flatnonzero(blob == 0), [len(blob)]))
+    cuts = _cuts(text_ends + 1)
+    starts = np.concatenate(([0], text_ends + 1))
+    return [(a, b - a, partial(_word_hashes, blob[starts[a] : text_ends[b - 1]])) for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+def _cuts(ends: np.ndarray) -> list[int]:
+    """Text indexes where chunks start, from the cumulative end offset of each text."""
+    cuts, start = [0], 0
+    while start < len(ends):
+        base = ends[start - 1] if start else 0
+        start = max(start + 1, int(np.searchsorted(ends, base + _CHUNK_BYTES)))
+        cuts.append(min(start, len(ends)))
+    return cuts
+
+
+def _parallel(jobs: list[Callable]) -> list:
+    # numpy releases the GIL in the heavy loops (cumsum, arithmetic, ufunc.at), so chunks hashed
+    # on separate threads use every core.
+    if len(jobs) <= 1:
+        return [job() for job in jobs]
+    with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda job: job(), jobs))
+
+
+def ngram_hashes(texts: list[str], ngram: int, unit: str = "word") -> tuple[np.ndarray, np.ndarray]:
+    """Hashes of all n-grams of every text's canonical form, with the index of the text of each."""
+    jobs = _chunk_jobs(texts, unit)
+
+    def run(first: int, count: int, tokens) -> tuple[np.ndarray, np.ndarray]:
+        h, d = _combine(*tokens(), count, ngram)
+        return h, d + first
+
+    parts = _parallel([partial(run, *job) for job in jobs])
+    if not parts:
         return np.zeros(0, _U64), np.zeros(0, np.int64)
-    return np.concatenate(out_h), np.concatenate(out_d)
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
 # ---------------------------------------------------------------- MinHash by one-permutation hashing
@@ -146,12 +207,7 @@ def _densify_table(num_perm: int, attempts: int = 64) -> np.ndarray:
         return (fmix64(j * _MIX + t * _M1) % _U64(num_perm)).astype(np.int64)
 
 
-def signatures(texts: list[str], num_perm: int = 128, ngram: int = 5, unit: str = "word") -> np.ndarray:
-    """MinHash signatures, shape (len(texts), num_perm), uint32. A text with no token gets all-zero."""
-    if num_perm & (num_perm - 1):
-        raise ValueError(f"num_perm must be a power of two, got {num_perm}")
-    n_docs = len(texts)
-    h, doc = ngram_hashes(texts, ngram, unit)
+def _signature_block(h: np.ndarray, doc: np.ndarray, n_docs: int, num_perm: int) -> np.ndarray:
     bits = num_perm.bit_length() - 1
     bins = (h >> _U64(64 - bits)).astype(np.int64)
     vals = h & _U64((1 << (64 - bits)) - 1)
@@ -174,6 +230,18 @@ def signatures(texts: list[str], num_perm: int = 128, ngram: int = 5, unit: str 
         sig[rows, cols] = sig[rows, first[rows]]
     sig[~original.any(axis=1)] = 0
     return (sig & _U64(0xFFFFFFFF)).astype(np.uint32)
+
+
+def signatures(texts: list[str], num_perm: int = 128, ngram: int = 5, unit: str = "word") -> np.ndarray:
+    """MinHash signatures, shape (len(texts), num_perm), uint32. A text with no token gets all-zero."""
+    if num_perm & (num_perm - 1):
+        raise ValueError(f"num_perm must be a power of two, got {num_perm}")
+
+    def block(count: int, tokens) -> np.ndarray:
+        return _signature_block(*_combine(*tokens(), count, ngram), count, num_perm)
+
+    blocks = _parallel([partial(block, count, tokens) for _, count, tokens in _chunk_jobs(texts, unit)])
+    return np.concatenate(blocks) if blocks else np.zeros((0, num_perm), np.uint32)
 
 
 def lsh_params(threshold: float, num_perm: int, recall_at_threshold: float = 0.9) -> tuple[int, int]:

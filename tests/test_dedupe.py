@@ -100,3 +100,23 @@ def test_signatures_are_identical_in_another_process():
     out = subprocess.run([sys.executable, "-c", code, json.dumps(texts)], capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "123", "PATH": ""})
     assert json.loads(out.stdout) == signatures(texts).tolist()
+
+
+def test_batch_canonicalisation_matches_canonical_text():
+    odd = ["A\u3000b\x1cc\u2029d\x85e  F", "Ünïcode\u2028line\u00a0nbsp ﬁ ligature", "STRASSE straße", "x", "", "  \t "]
+    assert (signatures(odd) == signatures([canonical_text(t) for t in odd])).all()
+    assert (signatures(odd[:3]) == signatures([t.lower() for t in odd[:3]])).all()
+
+
+def test_many_chunks_on_threads_give_the_same_signatures_as_one_by_one():
+    import tasks.dedupe as d
+
+    base, variants = corpus(n=300)
+    texts = base + variants
+    old = d._CHUNK_BYTES
+    d._CHUNK_BYTES = 2_000  # force many chunks, hashed on a thread pool
+    try:
+        chunked = signatures(texts)
+    finally:
+        d._CHUNK_BYTES = old
+    assert (chunked == np.concatenate([signatures([t]) for t in texts])).all()

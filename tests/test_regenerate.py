@@ -253,3 +253,48 @@ def test_kill_9_five_times_then_resume_gives_exactly_the_expected_generations(pr
     # nothing left on disk that the lineage store does not know
     on_disk = {p.name for p in (workspace / "data" / "generations" / key).iterdir()}
     assert on_disk == {f for (f,) in store.query_readonly("SELECT file FROM generation_files")[1]}
+
+
+def test_sglang_generate_returns_token_ids(scripted):
+    import asyncio
+
+    from serving.client import Endpoint, ServerPool
+
+    url = scripted()
+
+    async def main():
+        async with ServerPool([Endpoint(url)]) as pool:
+            return await pool.request({"text": "hello", "sampling_params": {"max_new_tokens": 4}}, path="/generate")
+
+    r = asyncio.run(main())
+    expected = [int(x, 16) for x in answer_for([{"role": "user", "content": "hello"}], 1 << 30)[0].split()][:4]
+    assert r.completion_token_ids == expected and r.finish_reason == "length" and r.completion_tokens == 4
+
+
+def test_api_key_from_a_prefect_secret_block(prefect_api):
+    from prefect.blocks.system import Secret
+
+    from serving.client import Endpoint, resolve_api_key
+
+    Secret(value="sk-from-block-123").save("eagle3-test-key", overwrite=True)
+    ep = Endpoint("http://127.0.0.1:1", api_key_secret_block="eagle3-test-key")
+    assert resolve_api_key(ep) == "sk-from-block-123"
+    assert "sk-from" not in repr(ep)
+
+
+def test_a_pool_uses_the_secret_block_key(prefect_api, scripted):
+    import asyncio
+
+    from prefect.blocks.system import Secret
+
+    from serving.client import Endpoint, ServerPool
+
+    Secret(value="sk-pool-456").save("eagle3-pool-key", overwrite=True)
+    url = scripted()
+
+    async def main():
+        async with ServerPool([Endpoint(url, api_key_secret_block="eagle3-pool-key")]) as pool:
+            return pool._headers(pool._states[0]), await pool.chat([{"role": "user", "content": "hi"}])
+
+    headers, r = asyncio.run(main())
+    assert headers == {"Authorization": "Bearer sk-pool-456"} and r.content
