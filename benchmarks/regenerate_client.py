@@ -218,12 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="runs per side, alternating")
     p.add_argument("--latency", type=float, default=0.5, help="L, saturation server latency (s)")
     p.add_argument("--slots", type=int, default=64, help="S, saturation server slots")
-    p.add_argument("--sat-requests", type=int, default=1500, help="M per endpoint in the saturation runs")
+    p.add_argument("--sat-requests", type=int, default=0,
+                   help="M per endpoint in the saturation runs (default 40*S: whole rounds, so the ideal is reachable)")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     p.add_argument("--timeout", type=float, default=600.0, help="limit per run (s)")
     a = p.parse_args(argv)
     if a.quick:
-        a.requests, a.concurrency, a.sat_requests = 300, 16, 400
+        a.requests, a.concurrency, a.sat_requests = 300, 16, 4 * a.slots
+    a.sat_requests = a.sat_requests or 40 * a.slots
 
     print(f"# serving client benchmark ({versions()})")
     print(f"# {load()} at start\n")

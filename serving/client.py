@@ -196,6 +196,7 @@ class ServerPool:
         self._request_ids = itertools.count()
         self.stats = PoolStats()
         self._changed = asyncio.Condition()
+        self._capacity = asyncio.Semaphore(sum(s.ep.max_concurrency for s in self._states))
 
     async def __aenter__(self) -> "ServerPool":
         # Keys first: a missing one fails before any connection pool exists. A worker thread, since
@@ -220,31 +221,40 @@ class ServerPool:
     async def _acquire(self) -> tuple[_EndpointState, int]:
         """The live endpoint with the fewest outstanding requests (ties at random), and a slot on it.
 
-        Raises _NoEndpoint when every endpoint stays ejected for two probe intervals.
+        Callers queue on a pool-wide semaphore first (one waiter woken per freed slot, in order),
+        so thousands of queued requests cost nothing while they wait. Raises _NoEndpoint when
+        every endpoint stays ejected for two probe intervals.
         """
+        await self._capacity.acquire()
         all_out_since = None
-        while True:
-            live = [s for s in self._states if not s.ejected and s.outstanding < s.ep.max_concurrency]
-            if live:
-                low = min(s.outstanding for s in live)
-                state = self._rng.choice([s for s in live if s.outstanding == low])
-                state.outstanding += 1  # no await since the check: the slot is ours
-                return state, state.free_slots.pop()
-            if all(s.ejected for s in self._states):
-                now = time.monotonic()
-                all_out_since = all_out_since or now
-                if now - all_out_since > 2 * self.policy.probe_interval_s:
-                    raise _NoEndpoint("no endpoint available: every endpoint is ejected and failing its probe")
-            async with self._changed:
-                try:
-                    await asyncio.wait_for(self._changed.wait(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    pass
+        try:
+            while True:
+                live = [s for s in self._states if not s.ejected and s.outstanding < s.ep.max_concurrency]
+                if live:
+                    low = min(s.outstanding for s in live)
+                    state = self._rng.choice([s for s in live if s.outstanding == low])
+                    state.outstanding += 1  # no await since the check: the slot is ours
+                    return state, state.free_slots.pop()
+                # Only while endpoints are ejected can a capacity holder find no free slot.
+                if all(s.ejected for s in self._states):
+                    now = time.monotonic()
+                    all_out_since = all_out_since or now
+                    if now - all_out_since > 2 * self.policy.probe_interval_s:
+                        raise _NoEndpoint("no endpoint available: every endpoint is ejected and failing its probe")
+                async with self._changed:
+                    try:
+                        await asyncio.wait_for(self._changed.wait(), timeout=0.5)
+                    except asyncio.TimeoutError:
+                        pass
+        except BaseException:
+            self._capacity.release()
+            raise
 
     async def _release(self, state: _EndpointState, slot: int, failure_token: int | None) -> None:
         """Give the slot back; `failure_token` is None on success, else what the failure counts as."""
         state.outstanding -= 1
         state.free_slots.append(slot)
+        self._capacity.release()
         state.requests += 1
         self.stats.requests[state.ep.url] = state.requests
         if failure_token is None:
@@ -257,8 +267,9 @@ class ServerPool:
                 state.ejected = True
                 self.stats.ejections += 1
                 state.probe_task = asyncio.create_task(self._probe_until_back(state))
-        async with self._changed:
-            self._changed.notify_all()
+        if any(s.ejected for s in self._states):
+            async with self._changed:  # wake holders waiting out an ejection
+                self._changed.notify_all()
 
     async def _probe_until_back(self, state: _EndpointState) -> None:
         """An ejected endpoint gets no real request until GET /v1/models answers 200 again."""
