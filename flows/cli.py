@@ -103,6 +103,8 @@ def regenerate(
     workspace: Optional[str] = WorkspaceOpt,
     retry_failed: bool = typer.Option(False, "--retry-failed", help="Retry prompts recorded as failed."),
     limit: Optional[int] = typer.Option(None, "--limit", help="At most this many prompts this run."),
+    print_baseline_command: bool = typer.Option(
+        False, "--print-baseline-command", help="Print the validated production baseline launch command and exit."),
 ) -> None:
     """Answer every pending prompt with the target through a baseline server, exactly once."""
     from flows.regenerate import regenerate as regenerate_flow, summary_table
@@ -111,12 +113,34 @@ def regenerate(
     if cfg.regenerate is None:
         err.print(f"[red]{config}: no `regenerate:` section[/red]", highlight=False)
         raise typer.Exit(2)
+    if print_baseline_command:
+        _print_baseline(cfg.regenerate, config)
+        return
     update = {"retry_failed": retry_failed or cfg.regenerate.retry_failed}
     if limit is not None:
         update["limit"] = limit
     summary = _run_flow(regenerate_flow, cfg.regenerate.model_copy(update=update))
     _print_dicts(summary_table(summary), f"regenerate run {summary.run_id}")
     console.print(f"generations in {summary.generations_dir}", highlight=False)
+
+
+def _print_baseline(cfg, config_path: Path) -> None:
+    import shlex
+
+    from serving.launch import BaselineSpec, sglang_baseline_command, validate_baseline_command, vllm_baseline_command
+
+    launch = cfg.baseline_launch
+    if launch is None:
+        err.print(f"[red]{config_path}: no `regenerate.baseline_launch` section[/red]", highlight=False)
+        raise typer.Exit(2)
+    spec = BaselineSpec(**{**launch.model_dump(exclude={"engine", "extra_args"}), "extra_args": tuple(launch.extra_args)})
+    argv = sglang_baseline_command(spec) if launch.engine == "sglang" else vllm_baseline_command(spec)
+    problems = validate_baseline_command(argv, launch.engine, gpus=launch.gpus, trust_remote_code=launch.trust_remote_code)
+    print(shlex.join(argv))
+    for p in problems:
+        err.print(f"[red]{p}[/red]", highlight=False)
+    if problems:
+        raise typer.Exit(2)
 
 
 @app.command()

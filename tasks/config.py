@@ -150,6 +150,23 @@ class EmbeddedServerConfig(Strict):
     n_threads: int | None = None
 
 
+class BaselineLaunchConfig(Strict):
+    """The production baseline server (no speculation), as the pipeline would launch it."""
+
+    engine: Literal["sglang", "vllm"] = "sglang"
+    model_path: str
+    gpus: int = Field(default=8, ge=1, description="Tensor-parallel size.")
+    host: str = "0.0.0.0"
+    port: int = Field(default=30000, ge=1, le=65535)
+    trust_remote_code: bool = Field(default=False, description="Only when you trust the model's own code.")
+    served_model_name: str | None = None
+    context_length: int | None = None
+    mem_fraction: float | None = Field(default=None, gt=0, le=1)
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    extra_args: list[str] = Field(default_factory=list)
+
+
 class ImportConfig(Strict):
     """Conversations the target already wrote: imported as finished generations, no server.
 
@@ -177,6 +194,9 @@ class RegenerateConfig(Strict):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     endpoints: list[EndpointConfig] = Field(default_factory=list)
     embedded_server: EmbeddedServerConfig | None = None
+    baseline_launch: BaselineLaunchConfig | None = Field(
+        default=None, description="How the production baseline is launched (printed, validated)."
+    )
     retry: RetryConfig = Field(default_factory=RetryConfig)
     flag_length: bool = Field(default=True, description="Flag finish_reason=length generations.")
     retry_failed: bool = Field(default=False, description="Retry prompts recorded as failed.")
@@ -188,6 +208,8 @@ class RegenerateConfig(Strict):
     def _one_server(self) -> "RegenerateConfig":
         if not self.endpoints and self.embedded_server is None and not self.imports:
             raise ValueError("give `endpoints`, an `embedded_server`, or `imports`")
+        if self.endpoints and self.embedded_server is not None:
+            raise ValueError("give `endpoints` or an `embedded_server`, not both")
         return self
 
 

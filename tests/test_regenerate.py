@@ -298,3 +298,18 @@ def test_a_pool_uses_the_secret_block_key(prefect_api, scripted):
 
     headers, r = asyncio.run(main())
     assert headers == {"Authorization": "Bearer sk-pool-456"} and r.content
+
+
+def test_baseline_launch_command_is_printed_and_validated(tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "flows.cli", "regenerate", "--config", "configs/kimi-k25.yaml",
+                         "--print-baseline-command"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.split()[:3] == ["python3", "-m", "sglang.launch_server"] and "--tp 8" in ok.stdout
+    assert "speculative" not in ok.stdout
+    cfg = yaml.safe_load((ROOT / "configs" / "kimi-k25.yaml").read_text())
+    cfg["regenerate"]["baseline_launch"]["extra_args"] = ["--speculative-algorithm", "EAGLE3"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(cfg))
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "regenerate", "--config", str(bad), "--print-baseline-command"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "speculative" in out.stderr.lower()
