@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 import yaml
 
 from flows.discover import discover
