@@ -182,8 +182,8 @@ MIGRATIONS: list[tuple[int, str, str]] = [
                        0::BIGINT AS pending,
                        count(*) FILTER (WHERE outcome = 'quarantined') AS failed,
                        NULL::HUGEINT AS tokens,
-                       (SELECT count(*) FROM records WHERE run_id = (SELECT run_id FROM last_discover))
-                         / (SELECT greatest(epoch(ended_at) - epoch(started_at), 1e-3) FROM last_discover)
+                       round((SELECT count(*) FROM records WHERE run_id = (SELECT run_id FROM last_discover))
+                         / (SELECT greatest(epoch(ended_at) - epoch(started_at), 1e-3) FROM last_discover), 1)
                          AS rate_per_s,
                        NULL::INTERVAL AS eta
                 FROM records
@@ -207,8 +207,8 @@ MIGRATIONS: list[tuple[int, str, str]] = [
             ), regenerate_row AS (
                 SELECT 'regenerate' AS stage, c.done,
                        greatest(c.prompts - c.done - c.failed, 0) AS pending, c.failed, c.tokens,
-                       (SELECT tokens / secs FROM regen_pace) AS rate_per_s,
-                       (SELECT CASE WHEN n > 0 THEN to_seconds(greatest(c.prompts - c.done - c.failed, 0) * secs / n) END
+                       (SELECT round(tokens / secs, 1) FROM regen_pace) AS rate_per_s,
+                       (SELECT CASE WHEN n > 0 THEN to_seconds(round(greatest(c.prompts - c.done - c.failed, 0) * secs / n)::BIGINT) END
                           FROM regen_pace) AS eta
                 FROM regen_counts c
             )

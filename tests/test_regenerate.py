@@ -313,3 +313,29 @@ def test_baseline_launch_command_is_printed_and_validated(tmp_path):
     out = subprocess.run([sys.executable, "-m", "flows.cli", "regenerate", "--config", str(bad), "--print-baseline-command"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "speculative" in out.stderr.lower()
+
+
+def test_regenerate_with_the_embedded_llama_cpp_server(prefect_api, tmp_path, workspace):
+    """The demo's path: the real llama.cpp server on SmolLM2, started and stopped by the flow."""
+    from tasks.target import gguf_revision, smollm2_gguf_path
+
+    rows = [{"id": "a", "conversations": [{"from": "human", "value": "Name a colour."}]},
+            {"id": "b", "conversations": [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "x"},
+                                          {"from": "human", "value": "Now say bye."}]}]
+    prompts = discover_prompts(workspace, tmp_path, rows)
+    cfg = RegenerateConfig.model_validate({
+        "workspace": str(workspace), "target_model": "SmolLM2-135M-Instruct",
+        "embedded_server": {"port": free_port(), "n_ctx": 1024},
+        "sampling": {"temperature": 0.0, "max_tokens": 12, "repeat_penalty": 1.0}})
+    summary = regenerate(cfg)
+    assert summary.generated == 2 and summary.failed == 0
+    gens = generated(workspace)
+    two_turn = gens[next(pid for pid, m in prompts if len(m) == 3)]
+    assert [m["role"] for m in two_turn["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert all(m["content"].strip() for m in two_turn["messages"])
+    assert two_turn["target_revision"] == gguf_revision(smollm2_gguf_path())
+    assert two_turn["template_id"].startswith("sha256:")
+    assert all(t["completion_tokens"] and t["completion_tokens"] <= 12 for t in two_turn["turns"])
+    # the server is gone once the flow returns
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{cfg.embedded_server.port}/v1/models", timeout=2)
