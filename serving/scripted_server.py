@@ -56,7 +56,7 @@ class Scripted:
                 method, path, _ = lines[0].split(" ", 2)
                 headers = {k.lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:] if ":" in ln)}
                 body = await reader.readexactly(int(headers.get("content-length", 0)))
-                if not await self.respond(method, path, body, writer):
+                if not await self.respond(method, path, headers, body, writer):
                     return
         except (asyncio.IncompleteReadError, ConnectionError, ValueError):
             pass
@@ -64,7 +64,7 @@ class Scripted:
             if not writer.is_closing():
                 writer.close()
 
-    async def respond(self, method: str, path: str, body: bytes, writer: asyncio.StreamWriter) -> bool:
+    async def respond(self, method: str, path: str, headers: dict, body: bytes, writer: asyncio.StreamWriter) -> bool:
         """Write one response; False when the connection must end (a fault closed it)."""
         if method == "GET" and path in ("/health", "/v1/models"):
             payload = {"object": "list", "data": [{"id": self.args.model}]} if path == "/v1/models" else {"ok": True}
@@ -125,7 +125,8 @@ class Scripted:
 
     @staticmethod
     def head(status: int, length: int, extra: dict | None = None) -> bytes:
-        reason = {200: "OK", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error"}[status]
+        reason = {200: "OK", 401: "Unauthorized", 404: "Not Found", 429: "Too Many Requests",
+                  500: "Internal Server Error"}[status]
         lines = [f"HTTP/1.1 {status} {reason}", "Content-Type: application/json", f"Content-Length: {length}"]
         lines += [f"{k}: {v}" for k, v in (extra or {}).items()]
         return ("\r\n".join(lines) + "\r\n\r\n").encode()

@@ -28,7 +28,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from storage.datasets import write_parquet_atomic
+from storage.datasets import GENERATION_FILE_SCHEMA, write_parquet_atomic
 
 OUTCOMES = ("kept", "exact_duplicate", "near_duplicate", "contaminated", "quarantined")
 
@@ -650,26 +650,23 @@ _PROMPT_SCHEMA = pa.schema([
     ("created_at", pa.timestamp("us", tz="UTC")),
 ])
 
-_GENERATION_SCHEMA = pa.schema([
-    ("generation_id", pa.string()),
-    ("prompt_id", pa.string()),
-    ("params_key", pa.string()),
-    ("target_model", pa.string()),
-    ("target_revision", pa.string()),
-    ("template_id", pa.string()),
-    ("mode", pa.string()),
-    ("reasoning", pa.string()),
-    ("origin", pa.string()),
-    ("file", pa.string()),
-    ("n_turns", pa.int32()),
-    ("prompt_tokens", pa.int64()),
-    ("completion_tokens", pa.int64()),
-    ("finish_reasons", pa.list_(pa.string())),
-    ("flags", pa.list_(pa.string())),
-    ("has_token_ids", pa.bool_()),
-    ("latency_s", pa.float64()),
-    ("endpoint", pa.string()),
-    ("served_model", pa.string()),
-    ("run_id", pa.string()),
-    ("created_at", pa.timestamp("us", tz="UTC")),
-])
+# The lineage row of a generation: its identity fields as in the Parquet files, plus where and how.
+_GENERATION_SCHEMA = pa.schema(
+    [GENERATION_FILE_SCHEMA.field(name) for name in (
+        "generation_id", "prompt_id", "params_key", "target_model", "target_revision", "template_id", "mode",
+        "reasoning", "origin")]
+    + [
+        ("file", pa.string()),
+        ("n_turns", pa.int32()),
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
+        ("finish_reasons", pa.list_(pa.string())),
+        ("flags", pa.list_(pa.string())),
+        ("has_token_ids", pa.bool_()),
+        ("latency_s", pa.float64()),
+        ("endpoint", pa.string()),
+        ("served_model", pa.string()),
+        ("run_id", pa.string()),
+        ("created_at", pa.timestamp("us", tz="UTC")),
+    ]
+)

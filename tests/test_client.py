@@ -518,39 +518,20 @@ def _recording_server_main(argv: list[str]) -> None:
             self.inflight = 0
             self.max_inflight = 0
 
-        async def handle(self, reader, writer):  # Scripted.handle, recording each request
+        async def respond(self, method, path, headers, body, writer):  # Scripted.respond, recorded
+            if path == "/_stats":
+                return await self.send(writer, 200, json.dumps({"seen": self.seen, "max_inflight": self.max_inflight}).encode())
+            if path != "/health":
+                self.seen.append([method, path, headers.get("authorization")])
+            if opts.echo_auth_401 and method == "POST":
+                msg = json.dumps({"error": f"invalid api key: {headers.get('authorization')}"}).encode()
+                return await self.send(writer, 401, msg)
+            self.inflight += method == "POST"
+            self.max_inflight = max(self.max_inflight, self.inflight)
             try:
-                while True:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                    lines = head.decode("latin-1").split("\r\n")
-                    method, path, _ = lines[0].split(" ", 2)
-                    headers = {k.lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:] if ":" in ln)}
-                    body = await reader.readexactly(int(headers.get("content-length", 0)))
-                    if path == "/_stats":
-                        stats = {"seen": self.seen, "max_inflight": self.max_inflight}
-                        await self.send(writer, 200, json.dumps(stats).encode())
-                        continue
-                    if path != "/health":
-                        self.seen.append([method, path, headers.get("authorization")])
-                    if opts.echo_auth_401 and method == "POST":
-                        msg = json.dumps({"error": f"invalid api key: {headers.get('authorization')}"}).encode()
-                        writer.write(b"HTTP/1.1 401 Unauthorized\r\nContent-Type: application/json\r\n"
-                                     b"Content-Length: %d\r\n\r\n" % len(msg) + msg)
-                        await writer.drain()
-                        continue
-                    self.inflight += method == "POST"
-                    self.max_inflight = max(self.max_inflight, self.inflight)
-                    try:
-                        keep = await self.respond(method, path, body, writer)
-                    finally:
-                        self.inflight -= method == "POST"
-                    if not keep:
-                        return
-            except (asyncio.IncompleteReadError, ConnectionError, ValueError):
-                pass
+                return await super().respond(method, path, headers, body, writer)
             finally:
-                if not writer.is_closing():
-                    writer.close()
+                self.inflight -= method == "POST"
 
     async def serve() -> None:
         server = await asyncio.start_server(Recording(args).handle, "127.0.0.1", args.port, backlog=1024)
