@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import hashlib
 import os
 import time
 from contextlib import ExitStack, contextmanager
@@ -24,13 +23,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from flows.runinfo import run_metadata
 from serving.client import Endpoint, RetryPolicy, ServerPool
-from storage.datasets import remove_unregistered, write_generation_file
+from storage.datasets import remove_unregistered
 from storage.lineage import LineageStore
 from tasks.config import RegenerateConfig, config_hash
-from tasks.decontaminate import build_index
-from tasks.outcomes import decide_outcomes
-from tasks.regenerate import GenerationSpec, imported_generations, lineage_row, regenerate_all
-from tasks.sources import read_file
+from tasks.regenerate import GenerationSpec, GenerationWriter, import_finished_generations, regenerate_all
 
 
 @dataclass
@@ -70,42 +66,17 @@ def stage_lock(workspace: Path, stage: str):
         os.close(fd)
 
 
-def _embedded_identity(cfg: RegenerateConfig) -> tuple[Path, str, str]:
-    """The embedded server's GGUF, its revision (file hash) and its chat template's id."""
-    from tasks.target import gguf_chat_template, gguf_revision, smollm2_gguf_path
-
-    gguf = Path(cfg.embedded_server.gguf) if cfg.embedded_server.gguf else smollm2_gguf_path()
-    template = gguf_chat_template(gguf)
-    return gguf, gguf_revision(gguf), "sha256:" + hashlib.sha256(template.encode()).hexdigest()[:16]
-
-
-def _import(cfg: RegenerateConfig, store: LineageStore, spec: GenerationSpec, run_id: str, gen_dir: Path, logger) -> int:
+def _import_all(config: RegenerateConfig, writer: GenerationWriter, logger) -> int:
     imported = 0
-    for imp in cfg.imports:
-        source = f"import:{imp.name}"
-        records, report = read_file(Path(imp.path), source)
-        seen = store.seen_record_keys(source)
-        records = [r for r in records if r.record_key not in seen]
-        if not records:
-            continue
-        batch = decide_outcomes(records, {source: ("auto", "prompt", "response")}, store, imp.near_dedupe,
-                                build_index(imp.decontaminate))
-        store.write_discover_batch(run_id, batch.records, batch.prompts, batch.minhash)
-        candidates = imported_generations(records, batch.records, spec, set())
-        have = store.existing_generation_ids([g["generation_id"] for g in candidates])
-        gens = [g for g in candidates if g["generation_id"] not in have]
-        if gens:
-            name = f"import-{imp.name}-{run_id[:8]}.parquet"
-            size, digest = write_generation_file(gens, gen_dir / name)
-            store.write_generations(run_id, {"file": name, "params_key": spec.params_key, "rows": len(gens),
-                                             "bytes": size, "sha256": digest}, [lineage_row(g, name) for g in gens], [])
-        imported += len(gens)
-        logger.info("import %s: %d records, %d finished generations imported (%s)", imp.name, len(records), len(gens),
-                    report.stop_reason or "read completely")
+    for i, imp in enumerate(config.imports):
+        records, gens, stop = import_finished_generations(imp, i, writer)
+        imported += gens
+        logger.info("import %s: %d new records, %d finished generations imported (%s)", imp.name, records, gens,
+                    stop or "read completely")
     return imported
 
 
-import_task = task(_import, name="import-generations", cache_policy=NO_CACHE)
+import_task = task(_import_all, name="import-generations", cache_policy=NO_CACHE)
 
 
 @flow(name="regenerate", log_prints=True)
@@ -117,7 +88,9 @@ def regenerate(config: RegenerateConfig) -> RegenerateSummary:
         store = LineageStore(ws / "lineage.duckdb")
         with ExitStack() as stack:
             if config.embedded_server is not None:
-                gguf, revision, template_id = _embedded_identity(config)
+                from tasks.target import embedded_identity
+
+                gguf, revision, template_id = embedded_identity(config.embedded_server.gguf)
                 config = config.model_copy(update={"target_revision": revision})
             else:
                 gguf, template_id = None, config.chat_template_id
@@ -145,7 +118,8 @@ def _regenerate(config: RegenerateConfig, store: LineageStore, spec: GenerationS
     summary.requeued_files = len(removed)
     if removed:
         logger.warning("removed %d uncommitted generation file(s) left by a crash; their prompts are re-queued", len(removed))
-    summary.imported = import_task(config, store, spec, summary.run_id, gen_dir, logger)
+    writer = GenerationWriter(store, spec, summary.run_id, gen_dir)
+    summary.imported = import_task(config, writer, logger)
 
     pending = store.pending_prompts(spec.params_key, config.retry_failed, config.limit)
     summary.pending_at_start = len(pending)
@@ -167,29 +141,19 @@ def _regenerate(config: RegenerateConfig, store: LineageStore, spec: GenerationS
     policy = RetryPolicy(**config.retry.model_dump())
 
     artifact_id = create_progress_artifact(progress=0.0, key="regenerate-progress", description="regenerate: prompts answered")
-    seq = [0]
     started = time.monotonic()
-    tokens = [0]
+    tokens = 0
     bar = stack.enter_context(Progress(
         TextColumn("regenerate"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
         TimeRemainingColumn(), transient=True))
     job = bar.add_task("regenerate", total=len(pending), rate="")
 
     def write_batch(gens: list[dict], fails: list[dict]) -> None:
-        name = None
-        file_row = None
-        if gens:
-            seq[0] += 1
-            name = f"part-{summary.run_id[:12]}-{seq[0]:05d}.parquet"
-            size, digest = write_generation_file(gens, gen_dir / name)
-            file_row = {"file": name, "params_key": spec.params_key, "rows": len(gens), "bytes": size, "sha256": digest}
-        rows = [lineage_row(g, name) for g in gens]
-        store.write_generations(summary.run_id, file_row, rows, fails)
-        tokens[0] += sum(r["completion_tokens"] or 0 for r in rows)
-        rate = tokens[0] / max(time.monotonic() - started, 1e-6)
+        nonlocal tokens
+        tokens += writer.write(gens, fails)
+        rate = tokens / max(time.monotonic() - started, 1e-6)
         bar.update(job, advance=len(gens) + len(fails), rate=f"{rate:,.0f} tok/s")
-        done = bar.tasks[0].completed
-        update_progress_artifact(artifact_id, progress=100.0 * done / len(pending))
+        update_progress_artifact(artifact_id, progress=100.0 * bar.tasks[0].completed / len(pending))
 
     async def run() -> tuple[int, int]:
         async with ServerPool(endpoints, policy) as pool:

@@ -454,26 +454,26 @@ class LineageStore:
         Idempotent: a record or prompt already stored is left as it is, so replaying a batch after
         a crash adds nothing twice.
         """
-        now = _now()
         with self.write() as con:
-            if records:
-                con.register("rec_in", pa.Table.from_pylist([{**r, "run_id": run_id, "recorded_at": now} for r in records]))
-                con.execute(
-                    "INSERT INTO records SELECT source, record_key, native_id, outcome, reason, prompt_id, "
-                    "duplicate_of, eval_item, similarity, run_id, recorded_at FROM rec_in ON CONFLICT DO NOTHING"
-                )
-            if prompts:
-                table = pa.Table.from_pylist(
-                    [{**p, "run_id": run_id, "created_at": now} for p in prompts],
-                    schema=_PROMPT_SCHEMA,
-                )
-                con.register("prm_in", table)
-                con.execute(
-                    "INSERT INTO prompts SELECT prompt_id, messages, n_turns, chars, source, record_key, format, "
-                    "run_id, created_at FROM prm_in ON CONFLICT DO NOTHING"
-                )
-            if minhash is not None:
-                self._insert_minhash(con, *minhash)
+            self._insert_discover(con, run_id, _now(), records, prompts, minhash)
+
+    def _insert_discover(self, con, run_id: str, now: datetime, records: list[dict], prompts: list[dict],
+                         minhash: tuple[str, list[str], np.ndarray, np.ndarray] | None) -> None:
+        if records:
+            con.register("rec_in", pa.Table.from_pylist([{**r, "run_id": run_id, "recorded_at": now} for r in records]))
+            con.execute(
+                "INSERT INTO records SELECT source, record_key, native_id, outcome, reason, prompt_id, "
+                "duplicate_of, eval_item, similarity, run_id, recorded_at FROM rec_in ON CONFLICT DO NOTHING"
+            )
+        if prompts:
+            table = pa.Table.from_pylist([{**p, "run_id": run_id, "created_at": now} for p in prompts], schema=_PROMPT_SCHEMA)
+            con.register("prm_in", table)
+            con.execute(
+                "INSERT INTO prompts SELECT prompt_id, messages, n_turns, chars, source, record_key, format, "
+                "run_id, created_at FROM prm_in ON CONFLICT DO NOTHING"
+            )
+        if minhash is not None:
+            self._insert_minhash(con, *minhash)
 
     def write_minhash(self, params: str, prompt_ids: list[str], sig: np.ndarray, keys: np.ndarray) -> None:
         with self.write() as con:
@@ -538,10 +538,17 @@ class LineageStore:
             rows = con.execute("SELECT file FROM generation_files WHERE params_key = ?", [params_key]).fetchall()
         return {r[0] for r in rows}
 
-    def write_generations(self, run_id: str, file_row: dict | None, generations: list[dict], failures: list[dict]) -> None:
-        """A Parquet file's lineage, its generations and this batch's failures, in one transaction."""
+    def write_generations(self, run_id: str, file_row: dict | None, generations: list[dict], failures: list[dict],
+                          discover_batch: tuple[list[dict], list[dict], tuple | None] | None = None) -> None:
+        """A Parquet file's lineage, its generations and this batch's failures, in one transaction.
+
+        `discover_batch` (records, prompts, minhash) commits imported records with the generations
+        made from them: both or neither, so an import interrupted by a crash is simply redone.
+        """
         now = _now()
         with self.write() as con:
+            if discover_batch is not None:
+                self._insert_discover(con, run_id, now, *discover_batch)
             if file_row is not None:
                 con.execute(
                     "INSERT INTO generation_files VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -551,9 +558,7 @@ class LineageStore:
             if generations:
                 con.register("gen_in", pa.Table.from_pylist(
                     [{**g, "run_id": run_id, "created_at": now} for g in generations], schema=_GENERATION_SCHEMA))
-                con.execute(
-                    "INSERT INTO generations SELECT * FROM gen_in ON CONFLICT DO NOTHING"
-                )
+                con.execute("INSERT INTO generations SELECT * FROM gen_in ON CONFLICT DO NOTHING")
             if failures:
                 con.register("fail_in", pa.Table.from_pylist([{**f, "run_id": run_id, "failed_at": now} for f in failures]))
                 con.execute(

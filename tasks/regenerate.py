@@ -18,10 +18,16 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
+from pathlib import Path
+
 from serving.client import ChatResult, RequestFailed, ServerPool
-from tasks.config import RegenerateConfig
+from storage.datasets import write_generation_file
+from storage.lineage import LineageStore
+from tasks.config import ImportConfig, RegenerateConfig
+from tasks.decontaminate import build_index
+from tasks.outcomes import decide_outcomes
 from tasks.prompts import Prompt, normalise_record
-from tasks.sources import RawRecord
+from tasks.sources import RawRecord, read_file
 
 
 def generation_params_key(cfg: RegenerateConfig, template_id: str) -> str:
@@ -293,3 +299,49 @@ def imported_generations(records: list[RawRecord], outcome_rows: list[dict], spe
         out.append(generation_row(spec, full.prompt_id, messages, [], "import",
                                   list(ids) if ids else None, list(mask) if mask else None))
     return out
+
+
+class GenerationWriter:
+    """Makes batches durable: the Parquet file first, then its lineage in one transaction.
+
+    A crash between the two leaves a file the lineage store does not know; the next run deletes
+    it (storage.datasets.remove_unregistered) and those prompts are simply pending again.
+    """
+
+    def __init__(self, store: LineageStore, spec: GenerationSpec, run_id: str, folder: Path):
+        self.store, self.spec, self.run_id, self.folder = store, spec, run_id, folder
+        self.files = 0
+
+    def write(self, gens: list[dict], fails: list[dict], name: str | None = None, discover_batch=None) -> int:
+        """Write one batch; returns its completion tokens."""
+        file_row, rows = None, []
+        if gens:
+            self.files += 1
+            name = name or f"part-{self.run_id[:12]}-{self.files:05d}.parquet"
+            size, digest = write_generation_file(gens, self.folder / name)
+            file_row = {"file": name, "params_key": self.spec.params_key, "rows": len(gens), "bytes": size, "sha256": digest}
+            rows = [lineage_row(g, name) for g in gens]
+        self.store.write_generations(self.run_id, file_row, rows, fails, discover_batch)
+        return sum(r["completion_tokens"] or 0 for r in rows)
+
+
+def import_finished_generations(imp: ImportConfig, index: int, writer: GenerationWriter) -> tuple[int, int, str | None]:
+    """One import source: records through discover's checks, then finished generations, committed together.
+
+    Returns (new records, generations imported, where reading stopped early or None).
+    """
+    store, spec = writer.store, writer.spec
+    source = f"import:{imp.name}"
+    records, report = read_file(Path(imp.path), source)
+    seen = store.seen_record_keys(source)
+    records = [r for r in records if r.record_key not in seen]
+    if not records:
+        return 0, 0, report.stop_reason
+    batch = decide_outcomes(records, {source: ("auto", "prompt", "response")}, store, imp.near_dedupe,
+                            build_index(imp.decontaminate))
+    candidates = imported_generations(records, batch.records, spec, set())
+    have = store.existing_generation_ids([g["generation_id"] for g in candidates])
+    gens = [g for g in candidates if g["generation_id"] not in have]
+    writer.write(gens, [], name=f"import-{index}-{imp.name}-{writer.run_id[:12]}.parquet",
+                 discover_batch=(batch.records, batch.prompts, batch.minhash))
+    return len(records), len(gens), report.stop_reason

@@ -229,3 +229,13 @@ def greedy_generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
         new.append(token)
         x = torch.tensor([[token]], device=model.device)
     return new
+
+
+def embedded_identity(gguf: Path | None = None) -> tuple[Path, str, str]:
+    """The embedded server's GGUF, its revision and the id of the chat template the server applies.
+
+    Both ids enter every generation id: a new GGUF or template means new generations.
+    """
+    gguf = Path(gguf) if gguf else smollm2_gguf_path()
+    template = gguf_chat_template(gguf)
+    return gguf, gguf_revision(gguf), "sha256:" + hashlib.sha256(template.encode()).hexdigest()[:16]

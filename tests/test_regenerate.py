@@ -339,3 +339,21 @@ def test_regenerate_with_the_embedded_llama_cpp_server(prefect_api, tmp_path, wo
     # the server is gone once the flow returns
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{cfg.embedded_server.port}/v1/models", timeout=2)
+
+
+def test_an_import_interrupted_before_its_commit_is_redone(prefect_api, scripted, tmp_path, workspace, monkeypatch):
+    path = tmp_path / "seed.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}) + "\n")
+    cfg = regen_config(workspace, [scripted()], imports=[{"name": "seed", "path": str(path)}])
+    real = LineageStore.write_generations
+
+    def crash(self, *a, **kw):
+        raise RuntimeError("power cut")
+
+    monkeypatch.setattr(LineageStore, "write_generations", crash)
+    with pytest.raises(Exception, match="power cut"):
+        regenerate(cfg)
+    monkeypatch.setattr(LineageStore, "write_generations", real)
+    summary = regenerate(cfg)
+    assert summary.imported == 1  # the records were not marked seen without their generation
+    assert summary.requeued_files == 1  # the file written before the crash was removed
