@@ -74,10 +74,21 @@ def _run_flow(fn, *args, **kwargs):
 
     from flows.prefect_api import resolve_api_url
 
+    from flows.regenerate import StageBusy
+    from serving.client import RequestFailed
+    from serving.launch import ServerStartError
+    from tasks.decontaminate import EvalSetError
+    from tasks.sources import SourceError
+
     url = resolve_api_url()
     console.print(f"Prefect API: {url} (UI: {url.removesuffix('/api')})", highlight=False)
-    with temporary_settings({PREFECT_API_URL: url}):
-        return fn(*args, **kwargs)
+    try:
+        with temporary_settings({PREFECT_API_URL: url}):
+            return fn(*args, **kwargs)
+    except (SourceError, EvalSetError, LineageError, StageBusy, ServerStartError, RequestFailed) as e:
+        # A problem the user can fix: one clear line (the Prefect run log keeps the traceback).
+        err.print(f"[red]{type(e).__name__}: {e}[/red]", highlight=False)
+        raise typer.Exit(2) from None
 
 
 @app.command()

@@ -22,7 +22,9 @@ from tasks.decontaminate import build_index
 from tasks.outcomes import backfill_signatures, decide_outcomes
 from tasks.sources import read_source, sample_records, source_quotas
 
-read_source_task = task(read_source, name="read-source", retries=2, retry_delay_seconds=5, cache_policy=NO_CACHE)
+# Only a hub load can fail for a passing reason; a local file that cannot be read will not improve.
+read_hub_task = task(read_source, name="read-hub-source", retries=2, retry_delay_seconds=5, cache_policy=NO_CACHE)
+read_local_task = task(read_source, name="read-source", cache_policy=NO_CACHE)
 build_index_task = task(build_index, name="build-decontamination-index", cache_policy=NO_CACHE)
 backfill_task = task(backfill_signatures, name="backfill-minhash", cache_policy=NO_CACHE)
 decide_task = task(decide_outcomes, name="decide-outcomes", cache_policy=NO_CACHE)
@@ -75,7 +77,7 @@ def _discover(config: DiscoverConfig, store: LineageStore, summary: DiscoverSumm
     read = {}
     reads = []
     for src in config.sources:
-        records, reports = read_source_task(src)
+        records, reports = (read_hub_task if src.kind == "hub" else read_local_task)(src)
         read[src.name] = records
         for r in reports:
             reads.append({

@@ -274,3 +274,12 @@ def test_kill_9_during_discover_then_resume_loses_and_duplicates_nothing(prefect
     assert len(pq.read_table(workspace / "data" / "prompts" / "prompts.parquet")) == n
     _, states = store.query_readonly("SELECT state, count(*) FROM runs GROUP BY 1 ORDER BY 1")
     assert dict(states) == {"COMPLETED": 1, "CRASHED": 3}  # the killed runs are marked, not left RUNNING
+
+
+def test_a_missing_source_file_is_one_clear_line(prefect_api, tmp_path, workspace):
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(yaml.safe_dump({"workspace": str(workspace), "discover": {
+        "sources": [{"name": "gone", "kind": "file", "path": str(tmp_path / "gone.jsonl")}]}}))
+    out = eagle3("discover", "--config", str(cfg_path), check=False)
+    assert out.returncode == 2
+    assert "SourceError: source 'gone': file not found" in " ".join(out.stderr.split())
