@@ -1,0 +1,231 @@
+"""Tokenisation stage of extraction: render a conversation with the target's own chat template and mask its assistant turns.
+
+Owns turning a conversation (role, content, optional reasoning_content) into `input_ids` and a 0/1
+`loss_mask`, and checking those ids against the ids a server reported. Promises: the text is the
+template's own rendering (its default system prompt kept, as llama.cpp's server keeps it), so the
+prompt part tokenises to exactly `apply_chat_template(prompt, add_generation_prompt=True)`; the mask
+covers each assistant turn's tokens plus its end-of-turn token and nothing else; a conversation
+that cannot be rendered and masked faithfully (reasoning the template would drop, special-token
+strings in assistant text, a token straddling a turn boundary, a template whose renders are not
+prefixes of one another) comes back as `Skipped(reason)`, never as a silently wrong sample
+(CONTRACTS.md, silent failure 7).
+
+Masking method: char spans from prefix renders, mapped to tokens by offsets. For assistant turn
+i, `len(render(messages[:i], add_generation_prompt=True))` is where its content starts (just after
+the role header) and `len(render(messages[:i+1]))` where its rendered turn ends; the full text is
+tokenised once with `return_offsets_mapping=True` and a token is masked when it starts inside the
+span, up to and including the last end-of-turn id there (the template's trailing "\n" after
+`<|im_end|>` is never generated, so it stays unmasked). Why: the template itself says where a turn
+begins and ends, so no regex over decoded text has to guess it, user text that contains
+"<|im_end|>" cannot move a boundary, and the text is tokenised once, exactly as a server tokenises
+a whole rendered prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+Overflow = Literal["truncate", "drop"]
+REASONING_KEYS = ("reasoning_content", "thinking")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One tokenised conversation; `truncated_tokens` counts tokens cut off the end (0 if none)."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    truncated_tokens: int = 0
+    truncated_masked_tokens: int = 0  # assistant tokens among the cut ones: training signal lost
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_masked(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A conversation that yields no sample, and why (one readable line)."""
+
+    reason: str
+    num_tokens: int | None = None  # the rendered length, where rendering got that far
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """The first position where our ids differ from a server's (None: that side had no token there)."""
+
+    position: int
+    part: Literal["prompt", "completion"]
+    server_id: int | None
+    our_id: int | None
+
+
+@dataclass(frozen=True)
+class MismatchReport:
+    checked: int
+    mismatched: int
+    first: tuple[int, Mismatch] | None = None  # (index in the input, its mismatch)
+    mismatches: list[tuple[int, Mismatch]] = field(default_factory=list, repr=False)
+
+    @property
+    def rate(self) -> float:
+        return self.mismatched / self.checked if self.checked else 0.0
+
+
+def template_supports_reasoning(tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None) -> bool:
+    """Whether the chat template reads a reasoning field of a message at all."""
+    template = _template_text(tokenizer, chat_template)
+    return any(key in template for key in REASONING_KEYS)
+
+
+def render_and_mask(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]], max_length: int,
+                    overflow: Overflow = "truncate", *, chat_template: str | None = None,
+                    end_of_turn_ids: Iterable[int] | None = None) -> Sample | Skipped:
+    """Render `messages` with the tokenizer's template (or `chat_template`, e.g. the GGUF's) and mask the assistant turns.
+
+    `end_of_turn_ids` defaults to the tokenizer's eos (`<|im_end|>` for ChatML). Over `max_length`,
+    "truncate" cuts the end and counts what it cut; "drop" returns Skipped. A sample with no masked
+    token left is Skipped: it carries no training signal.
+    """
+    if overflow not in ("truncate", "drop"):
+        raise ValueError(f"overflow must be 'truncate' or 'drop', not {overflow!r}")
+    if max_length <= 0:
+        raise ValueError(f"max_length must be positive, not {max_length}")
+    messages = [dict(m) for m in messages]
+    assistant_turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    if not assistant_turns:
+        return Skipped("no assistant turn")
+    if assistant_turns[0] == 0:
+        # No prompt precedes it: no server generated it, and the template cannot render an empty head.
+        return Skipped("the conversation starts with an assistant turn")
+    eot = set(end_of_turn_ids) if end_of_turn_ids is not None else {tokenizer.eos_token_id}
+    eot.discard(None)
+    if not eot:
+        raise ValueError("the tokenizer has no eos token; pass end_of_turn_ids")
+
+    supports_reasoning = template_supports_reasoning(tokenizer, chat_template)
+    for i in assistant_turns:
+        if not supports_reasoning and any(messages[i].get(k) for k in REASONING_KEYS):
+            # The template would drop it without a word, and the draft would learn answers
+            # without the thinking the target produced before them (silent failure 7).
+            return Skipped(f"assistant turn {i} has reasoning, but the chat template renders no {'/'.join(REASONING_KEYS)}")
+        # Assistant text that spells a special token re-tokenises to that special id, which the
+        # model never generates inside a turn (the server stops at `<|im_end|>`): training on it
+        # would teach a sequence serving never shows, and would put a second end-of-turn in the mask.
+        hit = _special_string_in(tokenizer, messages[i])
+        if hit is not None:
+            return Skipped(f"assistant turn {i} contains the special-token string {hit!r}")
+
+    def render(msgs: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             chat_template=chat_template)
+
+    text = render(messages, False)
+    spans: list[tuple[int, int]] = []
+    for i in assistant_turns:
+        head = render(messages[:i], True)
+        turn = render(messages[:i + 1], False)
+        # The method rests on each render being a prefix of the full one; templates that rewrite
+        # history (e.g. dropping earlier turns' reasoning) break it, and we say so.
+        if not (text.startswith(head) and text.startswith(turn) and turn.startswith(head)):
+            return Skipped(f"the chat template's render up to assistant turn {i} is not a prefix of the full render")
+        spans.append((len(head), len(turn)))
+
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids: list[int] = list(enc["input_ids"])
+    offsets: list[tuple[int, int]] = [tuple(o) for o in enc["offset_mapping"]]
+    mask = [0] * len(ids)
+    for turn_no, (start, end) in zip(assistant_turns, spans, strict=True):
+        in_turn = [t for t, (a, b) in enumerate(offsets) if start <= a < end]
+        straddle = [t for t, (a, b) in enumerate(offsets) if (a < start < b) or (a < end < b)]
+        if straddle:
+            # A token merged across the header/content (or turn end) boundary: the server
+            # tokenises the prompt up to the header alone, so it would never see this token.
+            return Skipped(f"a token straddles the boundary of assistant turn {turn_no}", len(ids))
+        ends = [t for t in in_turn if ids[t] in eot]
+        if not ends:
+            return Skipped(f"assistant turn {turn_no} has no end-of-turn token", len(ids))
+        for t in in_turn:
+            if t > ends[-1]:
+                break
+            mask[t] = 1
+
+    if len(ids) > max_length:
+        if overflow == "drop":
+            return Skipped(f"{len(ids)} tokens > max_length {max_length}", len(ids))
+        cut_masked = sum(mask[max_length:])
+        cut = len(ids) - max_length
+        ids, mask = ids[:max_length], mask[:max_length]
+        if not any(mask):
+            return Skipped(f"no assistant token within max_length {max_length} ({cut + max_length} tokens)", cut + max_length)
+        return Sample(ids, mask, truncated_tokens=cut, truncated_masked_tokens=cut_masked)
+    return Sample(ids, mask)
+
+
+def prompt_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The messages before the last assistant turn: what a server was sent to generate that turn."""
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+    if last is None:
+        raise ValueError("no assistant turn")
+    return [dict(m) for m in messages[:last]]
+
+
+def check_against_server_ids(sample: Sample, prompt_token_ids: Sequence[int],
+                             completion_token_ids: Sequence[int]) -> Mismatch | None:
+    """Whether `sample` starts with the server's prompt ids then its completion ids; the first difference if not.
+
+    The sample must be the conversation whose last assistant turn is that completion. A server's
+    completion may or may not end with the end-of-turn id (llama.cpp leaves it out), so only the
+    ids it returned are compared. A truncated sample that ends early is a mismatch (our_id None).
+    """
+    server = list(prompt_token_ids) + list(completion_token_ids)
+    for pos, server_id in enumerate(server):
+        our_id = sample.input_ids[pos] if pos < len(sample.input_ids) else None
+        if our_id != server_id:
+            part = "prompt" if pos < len(prompt_token_ids) else "completion"
+            return Mismatch(pos, part, server_id, our_id)
+    return None
+
+
+def mismatch_report(checks: Iterable[tuple[Sample, Sequence[int], Sequence[int]]]) -> MismatchReport:
+    """Check (sample, prompt ids, completion ids) triples; the mismatch rate and the first mismatching one."""
+    checked = 0
+    found: list[tuple[int, Mismatch]] = []
+    for index, (sample, prompt_ids, completion_ids) in enumerate(checks):
+        checked += 1
+        mismatch = check_against_server_ids(sample, prompt_ids, completion_ids)
+        if mismatch is not None:
+            found.append((index, mismatch))
+    return MismatchReport(checked, len(found), found[0] if found else None, found)
+
+
+def _template_text(tokenizer: PreTrainedTokenizerBase, chat_template: str | None) -> str:
+    template = chat_template if chat_template is not None else tokenizer.chat_template
+    if isinstance(template, dict):  # named templates: the default one renders chats
+        template = template.get("default", "")
+    if not template:
+        raise ValueError("the tokenizer has no chat template; a server would guess one, and training would not match it")
+    return template
+
+
+def _special_string_in(tokenizer: PreTrainedTokenizerBase, message: Mapping[str, Any]) -> str | None:
+    """The first special-token string (added tokens, e.g. `<|im_end|>`) in the message's text fields, if any."""
+    specials = [s for s in tokenizer.all_special_tokens if s]
+    specials += [t.content for t in tokenizer.added_tokens_decoder.values() if t.special and t.content not in specials]
+    for key in ("content", *REASONING_KEYS):
+        value = message.get(key)
+        if isinstance(value, str):
+            for s in specials:
+                if s in value:
+                    return s
+    return None
