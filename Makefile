@@ -26,6 +26,7 @@ test: install
 
 bench: install
 	$(PY) benchmarks/dedupe.py
+	$(PY) benchmarks/regenerate_client.py
 
 clean:
 	rm -rf runs .pytest_cache
