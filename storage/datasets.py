@@ -33,6 +33,21 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def write_bytes_atomic(data: bytes, target: Path) -> None:
+    """Write `data` to `target` atomically: temporary name in the same folder, fsync, rename."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{TMP_PREFIX}{uuid.uuid4().hex}-{target.name}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        _fsync_dir(target.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_parquet_atomic(table: pa.Table, target: Path) -> tuple[int, str]:
     """Write `table` to `target` atomically; returns (bytes, sha256) of the file."""
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -11,8 +11,6 @@ written atomically and read without pickle.
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +19,9 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file, save
 
+from storage.datasets import write_bytes_atomic
+
 FORMAT = "eagle3-draft-vocab/1"
-TMP_PREFIX = ".tmp-"  # same prefix as storage.datasets, so its crash cleanup recognises ours
 _FLUSH_TOKENS = 1 << 22  # masked ids buffered before one bincount: ~32 MiB of int64 at most
 
 
@@ -262,21 +261,12 @@ def validate_vocab(
     return problems
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_vocab(vocab: DraftVocab, path: str | Path) -> Path:
     """Write `d2t` (int64), `t2d` (bool: safetensors has a BOOL dtype) and `counts` atomically."""
     problems = validate_vocab(vocab.d2t, vocab.t2d, vocab.target_vocab_size, vocab.draft_vocab_size)
     if problems:
         raise ValueError("refusing to save an invalid draft vocab:\n" + "\n".join(problems))
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
     data = save(
         {
             "d2t": np.ascontiguousarray(vocab.d2t, dtype=np.int64),
@@ -290,16 +280,7 @@ def save_vocab(vocab: DraftVocab, path: str | Path) -> Path:
             "n_filled": str(vocab.n_filled),
         },
     )
-    tmp = target.with_name(f"{TMP_PREFIX}{uuid.uuid4().hex}-{target.name}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-        _fsync_dir(target.parent)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_bytes_atomic(data, target)
     return target
 
 
