@@ -9,7 +9,9 @@ from __future__ import annotations
 import hashlib
 import os
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -33,46 +35,49 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_bytes_atomic(data: bytes, target: Path) -> None:
-    """Write `data` to `target` atomically: temporary name in the same folder, fsync, rename."""
+@contextmanager
+def atomic_path(target: Path) -> Iterator[Path]:
+    """A temporary path beside `target`; on a clean exit it is fsynced and renamed onto `target`.
+
+    Whatever the block wrote is visible under `target` whole or not at all; on an exception the
+    temporary is removed, and one a crash leaves behind is found by `remove_unregistered`.
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f"{TMP_PREFIX}{uuid.uuid4().hex}-{target.name}")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
+        yield tmp
+        with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, target)
         _fsync_dir(target.parent)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_bytes_atomic(data: bytes, target: Path) -> None:
+    with atomic_path(target) as tmp:
+        tmp.write_bytes(data)
 
 
 def write_parquet_atomic(table: pa.Table, target: Path) -> tuple[int, str]:
     """Write `table` to `target` atomically; returns (bytes, sha256) of the file."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f"{TMP_PREFIX}{uuid.uuid4().hex}-{target.name}")
-    try:
+    with atomic_path(target) as tmp:
         pq.write_table(table, tmp, compression="zstd")
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        digest, size = file_sha256(tmp), tmp.stat().st_size
-        os.replace(tmp, target)
-        _fsync_dir(target.parent)
-        return size, digest
-    finally:
-        tmp.unlink(missing_ok=True)
+        size, digest = tmp.stat().st_size, file_sha256(tmp)
+    return size, digest
 
 
-def remove_unregistered(folder: Path, registered: set[str]) -> list[Path]:
-    """Delete temporaries and Parquet files the lineage store does not know (a crash left them)."""
+def remove_unregistered(folder: Path, registered: set[str], suffix: str = ".parquet") -> list[Path]:
+    """Delete temporaries and `suffix` files the lineage store does not know (a crash left them)."""
     if not folder.exists():
         return []
     removed = []
     for p in folder.iterdir():
-        if p.is_file() and (p.name.startswith(TMP_PREFIX) or (p.suffix == ".parquet" and p.name not in registered)):
+        if p.is_file() and (p.name.startswith(TMP_PREFIX) or (p.suffix == suffix and p.name not in registered)):
             p.unlink()
             removed.append(p)
+    if removed:
+        _fsync_dir(folder)
     return removed
 
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import struct
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save as _st_save
 from safetensors.torch import save_file as _st_save_file
 
-from storage.datasets import TMP_PREFIX, _fsync_dir, file_sha256
+from storage.datasets import TMP_PREFIX, _fsync_dir, atomic_path, file_sha256, remove_unregistered
 
 SUFFIX = ".safetensors"
 OFFSETS_KEY = "sample_offsets"
@@ -207,19 +205,12 @@ class ShardStore:
         used = self.used_bytes()
         if used + needed > self.budget:
             raise BudgetExceeded(name, used, needed, self.budget)
-        tmp = self.folder / f"{TMP_PREFIX}{uuid.uuid4().hex}-{name}"
-        try:
+        with atomic_path(final) as tmp:
             _st_save_file(tensors, tmp, metadata=meta)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
             size = tmp.stat().st_size
             if size != needed:  # the budget decision was made on `needed`; never trust it silently
                 raise RuntimeError(f"encoded_size predicted {needed} B but safetensors wrote {size} B")
             digest = file_sha256(tmp)
-            os.replace(tmp, final)
-            _fsync_dir(self.folder)
-        finally:
-            tmp.unlink(missing_ok=True)
         return ShardInfo(name, size, digest)
 
     def read(self, name: str, sha256: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -251,16 +242,7 @@ class ShardStore:
     def cleanup(self, registered: set[str]) -> list[Path]:
         """Remove temporaries and shards the lineage store does not know (a crash between
         write() and the lineage commit left them)."""
-        removed = []
-        for p in self.folder.iterdir():
-            if p.is_file() and (
-                p.name.startswith(TMP_PREFIX) or (p.suffix == SUFFIX and p.name not in registered)
-            ):
-                p.unlink()
-                removed.append(p)
-        if removed:
-            _fsync_dir(self.folder)
-        return removed
+        return remove_unregistered(self.folder, registered, suffix=SUFFIX)
 
 
 def _meta(metadata: dict[str, str] | None) -> dict[str, str]:

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from storage.datasets import file_sha256
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -60,11 +62,7 @@ def gguf_sha256(gguf: Path) -> str:
 
 @functools.lru_cache(maxsize=16)
 def _sha256_of(path: str, size: int, mtime_ns: int) -> str:  # size and mtime key the cache: a changed file rehashes
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return file_sha256(Path(path))
 
 
 def gguf_revision(gguf: Path) -> str:
