@@ -36,7 +36,6 @@ import argparse
 import asyncio
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from serving.client import Endpoint, RetryPolicy, ServerPool  # noqa: E402
-from serving.scripted_server import answer_for  # noqa: E402
+from serving.scripted_server import answer_for, spawn  # noqa: E402
 
 MODEL = "scripted-model"
 SAT_TARGET = 0.95
@@ -61,37 +60,11 @@ OVERHEAD_TARGET = 1.0  # ours/openai client CPU per request: no worse than the S
 # ---------------------------------------------------------------- servers
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """A scripted server subprocess on loopback; `stop()` kills it."""
 
     def __init__(self, *args: str, wait_s: float = 20.0):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "serving.scripted_server", "--port", str(self.port), *args],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-        deadline = time.monotonic() + wait_s
-        for _ in range(int(wait_s / 0.05) + 1):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"scripted server exited with {self.proc.returncode}")
-            try:
-                if httpx.get(self.url + "/health", timeout=0.5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"scripted server on port {self.port} did not answer /health in {wait_s} s")
+        self.proc, self.url = spawn(*args, wait_s=wait_s)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

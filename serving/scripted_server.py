@@ -16,9 +16,14 @@ import argparse
 import asyncio
 import hashlib
 import json
+import os
 import random
 import socket
 import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 FAULTS = ("fail_500", "fail_429", "hang", "reset", "malformed", "truncated")
 
@@ -135,6 +140,40 @@ class Scripted:
         writer.write(self.head(status, len(body), extra) + body)
         await writer.drain()
         return True
+
+
+def spawn(*args: str, port: int | None = None, log_path: Path | None = None, command: list[str] | None = None,
+          wait_s: float = 20.0) -> tuple[subprocess.Popen, str]:
+    """Start the server as a real process on a loopback port; return it and its URL once /health answers.
+
+    `command` replaces `python -m serving.scripted_server` (a test's own wrapper of it). The wait is
+    bounded in time; a process that exits or never answers is killed and the error carries its log.
+    """
+    import httpx
+
+    from serving.launch import free_port
+
+    port = port or free_port()
+    root = Path(__file__).resolve().parent.parent
+    cmd = (command or [sys.executable, "-m", "serving.scripted_server"]) + ["--port", str(port), *args]
+    log = open(log_path, "wb") if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    if log_path:
+        log.close()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/health", timeout=0.5).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    detail = Path(log_path).read_text(errors="replace")[-2000:] if log_path else ""
+    raise RuntimeError(f"scripted server on port {port} exited ({proc.returncode}) or did not answer /health "
+                       f"within {wait_s} s {detail}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -7,23 +7,18 @@ this process and every CLI subprocess talks to the same server.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from serving.launch import free_port  # imports no Prefect: the environment below is set first
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _PREFECT_HOME = Path(tempfile.mkdtemp(prefix="eagle3-prefect-"))
-_PORT = _free_port()
+_PORT = free_port()
 os.environ["PREFECT_HOME"] = str(_PREFECT_HOME)
 os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{_PORT}/api"
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"

@@ -16,9 +16,7 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -33,19 +31,14 @@ import httpx  # noqa: E402
 import pytest  # noqa: E402
 
 from serving.client import ChatResult, Endpoint, RequestFailed, RetryPolicy, ServerPool  # noqa: E402
-from serving.scripted_server import answer_for  # noqa: E402
+from serving.launch import free_port  # noqa: E402
+from serving.scripted_server import answer_for, spawn  # noqa: E402
 
 KEY_VAR = "EAGLE3_TEST_CLIENT_API_KEY"
 NO_LIMIT = 1 << 30  # what the server uses for max_tokens when none is sent
 
 
 # ---------------------------------------------------------------- servers as subprocesses
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Servers:
@@ -57,29 +50,10 @@ class Servers:
 
     def start(self, *args: str, port: int | None = None, recording: bool = False, wait_s: float = 15.0) -> str:
         port = port or free_port()
-        if recording:
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--recording-server", "--port", str(port), *args]
-        else:
-            cmd = [sys.executable, "-m", "serving.scripted_server", "--port", str(port), *args]
-        log = open(self.log_dir / f"server-{port}.log", "wb")
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-        log.close()
+        command = [sys.executable, str(Path(__file__).resolve()), "--recording-server"] if recording else None
+        proc, url = spawn(*args, port=port, log_path=self.log_dir / f"server-{port}.log", command=command, wait_s=wait_s)
         self.procs.append(proc)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + wait_s
-        for _ in range(int(wait_s / 0.05) + 1):  # bounded in count and in time
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}: {(self.log_dir / f'server-{port}.log').read_text()}")
-            try:
-                if httpx.get(url + "/health", timeout=0.5).status_code == 200:
-                    return url
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        raise RuntimeError(f"server on port {port} did not answer /health within {wait_s} s")
+        return url
 
     def close(self) -> None:
         for p in self.procs:

@@ -6,7 +6,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,18 +18,13 @@ import yaml
 
 from flows.discover import discover
 from flows.regenerate import regenerate
-from serving.scripted_server import answer_for
+from serving.launch import free_port
+from serving.scripted_server import answer_for, spawn
 from storage.lineage import LineageStore
 from tasks.config import DiscoverConfig, RegenerateConfig
 from tasks.regenerate import flags_for, generation_id
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -39,20 +33,9 @@ def scripted(tmp_path):
     procs = []
 
     def start(*args: str) -> str:
-        port = free_port()
-        log = open(tmp_path / f"server-{port}.log", "w")
-        p = subprocess.Popen([sys.executable, "-m", "serving.scripted_server", "--port", str(port), *args],
-                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        procs.append(p)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    return url
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        raise RuntimeError("scripted server did not start")
+        proc, url = spawn(*args, log_path=tmp_path / f"server-{len(procs)}.log")
+        procs.append(proc)
+        return url
 
     yield start
     for p in procs:
