@@ -78,6 +78,7 @@ def _run_flow(fn, *args, **kwargs):
     from serving.client import RequestFailed
     from serving.launch import ServerStartError
     from tasks.decontaminate import EvalSetError
+    from storage.shards import CorruptShard
     from tasks.sources import SourceError
 
     url = resolve_api_url()
@@ -85,7 +86,7 @@ def _run_flow(fn, *args, **kwargs):
     try:
         with temporary_settings({PREFECT_API_URL: url}):
             return fn(*args, **kwargs)
-    except (SourceError, EvalSetError, LineageError, StageBusy, ServerStartError, RequestFailed) as e:
+    except (SourceError, EvalSetError, LineageError, StageBusy, ServerStartError, RequestFailed, CorruptShard) as e:
         # A problem the user can fix: one clear line (the Prefect run log keeps the traceback).
         err.print(f"[red]{type(e).__name__}: {e}[/red]", highlight=False)
         raise typer.Exit(2) from None
@@ -96,8 +97,7 @@ def discover(config: Path = ConfigOpt, workspace: Optional[str] = WorkspaceOpt) 
     """Read the source catalog; keep new, clean, unique, uncontaminated prompts."""
     from flows.discover import discover as discover_flow, outcome_table
 
-    cfg = _config(config, workspace)
-    summary = _run_flow(discover_flow, cfg.discover)
+    summary = _run_flow(discover_flow, _section(_config(config, workspace), "discover", config))
     _print_dicts(outcome_table(summary), f"discover run {summary.run_id}")
     for line in summary.truncated_sources:
         console.print(f"[yellow]stopped early[/yellow] {line}", highlight=False)
@@ -120,17 +120,14 @@ def regenerate(
     """Answer every pending prompt with the target through a baseline server, exactly once."""
     from flows.regenerate import regenerate as regenerate_flow, summary_table
 
-    cfg = _config(config, workspace)
-    if cfg.regenerate is None:
-        err.print(f"[red]{config}: no `regenerate:` section[/red]", highlight=False)
-        raise typer.Exit(2)
+    section = _section(_config(config, workspace), "regenerate", config)
     if print_baseline_command:
-        _print_baseline(cfg.regenerate, config)
+        _print_baseline(section, config)
         return
-    update = {"retry_failed": retry_failed or cfg.regenerate.retry_failed}
+    update = {"retry_failed": retry_failed or section.retry_failed}
     if limit is not None:
         update["limit"] = limit
-    summary = _run_flow(regenerate_flow, cfg.regenerate.model_copy(update=update))
+    summary = _run_flow(regenerate_flow, section.model_copy(update=update))
     _print_dicts(summary_table(summary), f"regenerate run {summary.run_id}")
     console.print(f"generations in {summary.generations_dir}", highlight=False)
 
@@ -152,6 +149,36 @@ def _print_baseline(cfg, config_path: Path) -> None:
         err.print(f"[red]{p}[/red]", highlight=False)
     if problems:
         raise typer.Exit(2)
+
+
+def _section(cfg: PipelineConfig, name: str, config_path: Path):
+    section = getattr(cfg, name)
+    if section is None:
+        err.print(f"[red]{config_path}: no `{name}:` section[/red]", highlight=False)
+        raise typer.Exit(2)
+    return section
+
+
+@app.command()
+def extract(
+    config: Path = ConfigOpt,
+    workspace: Optional[str] = WorkspaceOpt,
+    limit: Optional[int] = typer.Option(None, "--limit", help="At most this many samples this run."),
+    disk_budget_bytes: Optional[int] = typer.Option(None, "--disk-budget-bytes", help="Override the config's budget."),
+) -> None:
+    """Tokenise generations, build the draft vocab, and fill the disk budget with hidden-state shards."""
+    from flows.extract import extract as extract_flow, summary_table as extract_table
+
+    section = _section(_config(config, workspace), "extract", config)
+    update = {k: v for k, v in (("limit", limit), ("disk_budget_bytes", disk_budget_bytes)) if v is not None}
+    summary = _run_flow(extract_flow, section.model_copy(update=update))
+    _print_dicts(extract_table(summary), f"extract run {summary.run_id}")
+    if summary.first_mismatch:
+        console.print(f"[yellow]server ids differed[/yellow] in {summary.ids_mismatched} of {summary.ids_checked}; "
+                      f"first: {summary.first_mismatch}", highlight=False)
+    if summary.stopped_by == "budget":
+        console.print("[yellow]disk budget full[/yellow]: train on the written shards (they are deleted once consumed), "
+                      "then run extract again for the next samples", highlight=False)
 
 
 @app.command()

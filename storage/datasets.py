@@ -116,3 +116,24 @@ GENERATION_FILE_SCHEMA = pa.schema([
 def write_generation_file(rows: list[dict], target: Path) -> tuple[int, str]:
     """A batch of generations as one Parquet file (the schema every later stage reads)."""
     return write_parquet_atomic(pa.Table.from_pylist(rows, schema=GENERATION_FILE_SCHEMA), target)
+
+
+def read_generation_rows(folder: Path, wanted: list[tuple[str, str]]) -> list[dict]:
+    """The stored rows of (generation_id, file) pairs, in the order asked; each file is read once.
+
+    `file` is relative to `folder` (the generations folder: `<params_key>/<file name>`).
+    """
+    by_file: dict[str, set[str]] = {}
+    for gid, file in wanted:
+        by_file.setdefault(file, set()).add(gid)
+    rows: dict[str, dict] = {}
+    for file, ids in by_file.items():
+        table = pq.read_table(folder / file, columns=["generation_id", "messages", "turns", "input_ids", "loss_mask"])
+        for row in table.to_pylist():
+            if row["generation_id"] in ids:
+                rows[row["generation_id"]] = row
+    missing = [gid for gid, _ in wanted if gid not in rows]
+    if missing:
+        raise FileNotFoundError(f"{len(missing)} generation(s) registered in lineage are missing from their files, "
+                                f"e.g. {missing[0]}")
+    return [rows[gid] for gid, _ in wanted]

@@ -215,6 +215,139 @@ MIGRATIONS: list[tuple[int, str, str]] = [
             SELECT * FROM discover_row UNION ALL SELECT * FROM regenerate_row;
         """,
     ),
+    (
+        3,
+        "extract: draft vocabs, shards (written -> consumed -> deleted), samples; progress covers extract",
+        """
+        CREATE TABLE draft_vocabs (
+            vocab_id VARCHAR PRIMARY KEY,
+            tokenize_key VARCHAR NOT NULL,
+            file VARCHAR NOT NULL,
+            sha256 VARCHAR NOT NULL,
+            draft_vocab_size INTEGER NOT NULL,
+            target_vocab_size INTEGER NOT NULL,
+            coverage DOUBLE NOT NULL,
+            counted_tokens BIGINT NOT NULL,
+            counted_samples BIGINT NOT NULL,
+            report JSON,
+            run_id VARCHAR NOT NULL,
+            created_at TIMESTAMPTZ NOT NULL
+        );
+        CREATE TABLE extract_settings (
+            extract_key VARCHAR PRIMARY KEY,
+            vocab_id VARCHAR NOT NULL,
+            settings JSON NOT NULL,
+            run_id VARCHAR NOT NULL,
+            created_at TIMESTAMPTZ NOT NULL
+        );
+        CREATE TABLE shards (
+            shard VARCHAR PRIMARY KEY,
+            extract_key VARCHAR NOT NULL,
+            state VARCHAR NOT NULL,
+            bytes BIGINT NOT NULL,
+            sha256 VARCHAR NOT NULL,
+            samples INTEGER NOT NULL,
+            tokens BIGINT NOT NULL,
+            masked_tokens BIGINT NOT NULL,
+            run_id VARCHAR NOT NULL,
+            created_at TIMESTAMPTZ NOT NULL,
+            consumed_by VARCHAR,
+            consumed_at TIMESTAMPTZ,
+            deleted_at TIMESTAMPTZ
+        );
+        CREATE TABLE shard_reads (
+            shard VARCHAR NOT NULL,
+            train_run_id VARCHAR NOT NULL,
+            epoch INTEGER NOT NULL,
+            read_at TIMESTAMPTZ NOT NULL
+        );
+        CREATE TABLE samples (
+            sample_id VARCHAR PRIMARY KEY,
+            generation_id VARCHAR NOT NULL,
+            extract_key VARCHAR NOT NULL,
+            outcome VARCHAR NOT NULL,
+            reason VARCHAR,
+            tokens INTEGER,
+            masked_tokens INTEGER,
+            truncated_tokens INTEGER,
+            id_check VARCHAR NOT NULL,
+            id_mismatch VARCHAR,
+            shard VARCHAR,
+            shard_index INTEGER,
+            run_id VARCHAR NOT NULL,
+            created_at TIMESTAMPTZ NOT NULL
+        );
+        CREATE INDEX samples_generation ON samples (generation_id, extract_key);
+        CREATE OR REPLACE VIEW progress AS
+            WITH last_discover AS (
+                SELECT r.run_id, r.started_at, r.ended_at FROM runs r
+                WHERE r.flow = 'discover' AND r.ended_at IS NOT NULL
+                  AND EXISTS (SELECT 1 FROM records x WHERE x.run_id = r.run_id)
+                ORDER BY r.ended_at DESC LIMIT 1
+            ), discover_row AS (
+                SELECT 'discover' AS stage,
+                       count(*) FILTER (WHERE outcome <> 'quarantined') AS done,
+                       0::BIGINT AS pending,
+                       count(*) FILTER (WHERE outcome = 'quarantined') AS failed,
+                       NULL::HUGEINT AS tokens,
+                       round((SELECT count(*) FROM records WHERE run_id = (SELECT run_id FROM last_discover))
+                         / (SELECT greatest(epoch(ended_at) - epoch(started_at), 1e-3) FROM last_discover), 1)
+                         AS rate_per_s,
+                       NULL::INTERVAL AS eta
+                FROM records
+            ), last_regen AS (
+                SELECT r.run_id, r.started_at, coalesce(r.ended_at, now()) AS ended_at FROM runs r
+                WHERE r.flow = 'regenerate'
+                  AND EXISTS (SELECT 1 FROM generations g WHERE g.run_id = r.run_id AND g.origin = 'server')
+                ORDER BY r.started_at DESC LIMIT 1
+            ), regen_pace AS (
+                SELECT count(*) AS n, sum(g.completion_tokens) AS tokens,
+                       greatest(epoch(any_value(l.ended_at)) - epoch(any_value(l.started_at)), 1e-3) AS secs
+                FROM generations g JOIN last_regen l USING (run_id)
+            ), regen_counts AS (
+                SELECT
+                    (SELECT count(DISTINCT prompt_id) FROM generations) AS done,
+                    (SELECT count(DISTINCT f.prompt_id) FROM generation_failures f
+                      WHERE NOT EXISTS (SELECT 1 FROM generations g WHERE g.prompt_id = f.prompt_id)) AS failed,
+                    (SELECT count(*) FROM prompts) AS prompts,
+                    (SELECT sum(completion_tokens) FROM generations) AS tokens
+            ), regenerate_row AS (
+                SELECT 'regenerate' AS stage, c.done,
+                       greatest(c.prompts - c.done - c.failed, 0) AS pending, c.failed, c.tokens,
+                       (SELECT round(tokens / secs, 1) FROM regen_pace) AS rate_per_s,
+                       (SELECT CASE WHEN n > 0 THEN to_seconds(round(greatest(c.prompts - c.done - c.failed, 0) * secs / n)::BIGINT) END
+                          FROM regen_pace) AS eta
+                FROM regen_counts c
+            ), last_extract AS (
+                -- the latest extract run that wrote samples: its token pace predicts the rest
+                SELECT r.run_id, r.started_at, coalesce(r.ended_at, now()) AS ended_at FROM runs r
+                WHERE r.flow = 'extract' AND EXISTS (SELECT 1 FROM samples s WHERE s.run_id = r.run_id)
+                ORDER BY r.started_at DESC LIMIT 1
+            ), extract_pace AS (
+                SELECT count(*) AS n,
+                       greatest(epoch(any_value(l.ended_at)) - epoch(any_value(l.started_at)), 1e-3) AS secs,
+                       sum(s.tokens) FILTER (WHERE s.outcome = 'extracted') AS tokens
+                FROM samples s JOIN last_extract l USING (run_id)
+            ), extract_counts AS (
+                -- per generation: a generation counts once whatever extract settings it went through
+                SELECT
+                    (SELECT count(DISTINCT generation_id) FROM samples WHERE outcome = 'extracted') AS done,
+                    (SELECT count(DISTINCT generation_id) FROM samples s WHERE outcome <> 'extracted'
+                      AND NOT EXISTS (SELECT 1 FROM samples x WHERE x.generation_id = s.generation_id
+                                      AND x.outcome = 'extracted')) AS failed,
+                    (SELECT count(*) FROM generations) AS generations,
+                    (SELECT sum(tokens) FROM samples WHERE outcome = 'extracted') AS tokens
+            ), extract_row AS (
+                SELECT 'extract' AS stage, c.done,
+                       greatest(c.generations - c.done - c.failed, 0) AS pending, c.failed, c.tokens,
+                       (SELECT round(tokens / secs, 1) FROM extract_pace) AS rate_per_s,
+                       (SELECT CASE WHEN n > 0 THEN to_seconds(round(greatest(c.generations - c.done - c.failed, 0) * secs / n)::BIGINT) END
+                          FROM extract_pace) AS eta
+                FROM extract_counts c
+            )
+            SELECT * FROM discover_row UNION ALL SELECT * FROM regenerate_row UNION ALL SELECT * FROM extract_row;
+        """,
+    ),
 ]
 
 
@@ -583,6 +716,140 @@ class LineageStore:
         keys = ("generations", "completion_tokens", "flagged_empty", "flagged_length", "with_token_ids")
         return {**dict(zip(keys, row)), "failed": failed}
 
+    # ------------------------------------------------------------ extract
+
+    def generations_to_tokenise(self, params_keys: list[str] | None) -> list[tuple[str, str, str]]:
+        """(generation_id, params_key, file) of every generation, oldest first (optionally only some params)."""
+        if not self.path.exists():
+            return []
+        where, args = ("WHERE params_key IN (SELECT unnest(?))", [params_keys]) if params_keys is not None else ("", [])
+        with self.read() as con:
+            return con.execute(
+                f"SELECT generation_id, params_key, file FROM generations {where} ORDER BY created_at, generation_id", args
+            ).fetchall()
+
+    def pending_generations(self, extract_key: str, params_keys: list[str] | None,
+                            limit: int | None) -> list[tuple[str, str, str]]:
+        """Generations with no sample under `extract_key`, in the order rounds take them."""
+        where = "AND g.params_key IN (SELECT unnest(?))" if params_keys is not None else ""
+        args: list = [extract_key] + ([params_keys] if params_keys is not None else [])
+        sql = (
+            "SELECT g.generation_id, g.params_key, g.file FROM generations g "
+            "WHERE NOT EXISTS (SELECT 1 FROM samples s WHERE s.generation_id = g.generation_id AND s.extract_key = ?) "
+            f"{where} ORDER BY g.created_at, g.generation_id"
+        )
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        with self.read() as con:
+            return con.execute(sql, args).fetchall()
+
+    def draft_vocab(self, tokenize_key: str, draft_vocab_size: int) -> dict | None:
+        """The vocab built for this tokenisation and size, if any (the first one built is kept)."""
+        if not self.path.exists():
+            return None
+        with self.read() as con:
+            res = con.execute(
+                "SELECT * FROM draft_vocabs WHERE tokenize_key = ? AND draft_vocab_size = ? ORDER BY created_at LIMIT 1",
+                [tokenize_key, draft_vocab_size])
+            cols = [d[0] for d in res.description]
+            row = res.fetchone()
+        return dict(zip(cols, row)) if row else None
+
+    def register_draft_vocab(self, run_id: str, row: dict) -> None:
+        with self.write() as con:
+            con.execute(
+                "INSERT INTO draft_vocabs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                [row["vocab_id"], row["tokenize_key"], row["file"], row["sha256"], row["draft_vocab_size"],
+                 row["target_vocab_size"], row["coverage"], row["counted_tokens"], row["counted_samples"],
+                 json.dumps(row.get("report"), default=str), run_id, _now()],
+            )
+
+    def register_extract_settings(self, run_id: str, extract_key: str, vocab_id: str, settings: dict) -> None:
+        with self.write() as con:
+            con.execute("INSERT INTO extract_settings VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                        [extract_key, vocab_id, json.dumps(settings, sort_keys=True), run_id, _now()])
+
+    def live_shards(self) -> dict[str, dict]:
+        """Shards registered and not deleted, by name: what may exist in the shard folder."""
+        if not self.path.exists():
+            return {}
+        with self.read() as con:
+            res = con.execute("SELECT * FROM shards WHERE state <> 'deleted' ORDER BY created_at, shard")
+            cols = [d[0] for d in res.description]
+            return {r[0]: dict(zip(cols, r)) for r in res.fetchall()}
+
+    def shard_count(self) -> int:
+        if not self.path.exists():
+            return 0
+        with self.read() as con:
+            return con.execute("SELECT count(*) FROM shards").fetchall()[0][0]
+
+    def write_extract_batch(self, run_id: str, shard_row: dict | None, sample_rows: list[dict]) -> None:
+        """A shard's lineage and the outcome of every sample of its batch, in one transaction.
+
+        The shard file is already complete on disk; if this commit never happens the next run
+        deletes the file as unregistered and the samples are pending again: nothing lost, nothing twice.
+        """
+        now = _now()
+        with self.write() as con:
+            if shard_row is not None:
+                con.execute(
+                    "INSERT INTO shards (shard, extract_key, state, bytes, sha256, samples, tokens, masked_tokens, "
+                    "run_id, created_at) VALUES (?, ?, 'written', ?, ?, ?, ?, ?, ?, ?)",
+                    [shard_row["shard"], shard_row["extract_key"], shard_row["bytes"], shard_row["sha256"],
+                     shard_row["samples"], shard_row["tokens"], shard_row["masked_tokens"], run_id, now],
+                )
+            if sample_rows:
+                con.register("smp_in", pa.Table.from_pylist(
+                    [{**r, "run_id": run_id, "created_at": now} for r in sample_rows], schema=_SAMPLE_SCHEMA))
+                con.execute("INSERT INTO samples SELECT * FROM smp_in")
+
+    def mark_shards_read(self, train_run_id: str, shards: list[str], epoch: int) -> None:
+        """Training read these shards: the first read moves a shard written -> consumed by that run."""
+        if not shards:
+            return
+        now = _now()
+        with self.write() as con:
+            con.register("rd_in", pa.table({"shard": shards}))
+            con.execute("INSERT INTO shard_reads SELECT shard, ?, ?, ? FROM rd_in", [train_run_id, epoch, now])
+            con.execute(
+                "UPDATE shards SET state = 'consumed', consumed_by = ?, consumed_at = ? "
+                "WHERE state = 'written' AND shard IN (SELECT shard FROM rd_in)", [train_run_id, now])
+
+    def mark_shard_deleted(self, shard: str) -> None:
+        with self.write() as con:
+            state = con.execute("SELECT state FROM shards WHERE shard = ?", [shard]).fetchall()
+            if not state:
+                raise LineageError(f"no shard {shard!r} in the lineage store")
+            if state[0][0] == "written":
+                raise LineageError(f"shard {shard!r} was never consumed by a training run; refusing to delete it")
+            con.execute("UPDATE shards SET state = 'deleted', deleted_at = coalesce(deleted_at, ?) WHERE shard = ?",
+                        [_now(), shard])
+
+    def extract_summary(self, run_id: str) -> dict:
+        with self.read() as con:
+            rows = con.execute(
+                "SELECT outcome, count(*), coalesce(sum(tokens), 0), coalesce(sum(masked_tokens), 0), "
+                "coalesce(sum(truncated_tokens), 0) FROM samples WHERE run_id = ? GROUP BY 1", [run_id]).fetchall()
+            checks = dict(con.execute(
+                "SELECT id_check, count(*) FROM samples WHERE run_id = ? GROUP BY 1", [run_id]).fetchall())
+            first = con.execute(
+                "SELECT generation_id, id_mismatch FROM samples WHERE run_id = ? AND id_check = 'mismatch' "
+                "ORDER BY created_at, sample_id LIMIT 1", [run_id]).fetchall()
+            reasons = con.execute(
+                "SELECT regexp_replace(reason, '[0-9]+', 'N', 'g'), count(*) FROM samples "
+                "WHERE run_id = ? AND outcome <> 'extracted' GROUP BY 1 ORDER BY 2 DESC, 1 LIMIT 10", [run_id]).fetchall()
+        by = {o: (n, t, m, c) for o, n, t, m, c in rows}
+        ext = by.get("extracted", (0, 0, 0, 0))
+        return {
+            "extracted": ext[0], "tokens": ext[1], "masked_tokens": ext[2],
+            "truncated_tokens": sum(v[3] for v in by.values()),
+            "skipped": by.get("skipped", (0,))[0], "quarantined": by.get("quarantined", (0,))[0],
+            "ids_checked": checks.get("match", 0) + checks.get("mismatch", 0), "ids_mismatched": checks.get("mismatch", 0),
+            "first_mismatch": {"generation_id": first[0][0], **json.loads(first[0][1])} if first else None,
+            "reasons": reasons,
+        }
+
     # ------------------------------------------------------------ reports and exports
 
     def outcome_counts(self, run_id: str | None = None) -> dict[str, int]:
@@ -638,7 +905,8 @@ class LineageStore:
                 raise LineageError(f"SQL error: {e}") from None
 
     def progress(self) -> tuple[list[str], list[tuple]]:
-        return self.query_readonly("SELECT * FROM progress ORDER BY stage")
+        return self.query_readonly(
+            "SELECT * FROM progress ORDER BY list_position(['discover', 'regenerate', 'extract', 'train', 'benchmark'], stage)")
 
 
 _READ_ONLY_TYPES = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
@@ -675,3 +943,20 @@ _GENERATION_SCHEMA = pa.schema(
         ("created_at", pa.timestamp("us", tz="UTC")),
     ]
 )
+
+_SAMPLE_SCHEMA = pa.schema([
+    ("sample_id", pa.string()),
+    ("generation_id", pa.string()),
+    ("extract_key", pa.string()),
+    ("outcome", pa.string()),
+    ("reason", pa.string()),
+    ("tokens", pa.int32()),
+    ("masked_tokens", pa.int32()),
+    ("truncated_tokens", pa.int32()),
+    ("id_check", pa.string()),
+    ("id_mismatch", pa.string()),
+    ("shard", pa.string()),
+    ("shard_index", pa.int32()),
+    ("run_id", pa.string()),
+    ("created_at", pa.timestamp("us", tz="UTC")),
+])

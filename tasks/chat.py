@@ -160,16 +160,24 @@ def render_and_mask(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mappi
                 break
             mask[t] = 1
 
-    if len(ids) > max_length:
-        if overflow == "drop":
-            return Skipped(f"{len(ids)} tokens > max_length {max_length}", len(ids))
-        cut_masked = sum(mask[max_length:])
-        cut = len(ids) - max_length
-        ids, mask = ids[:max_length], mask[:max_length]
-        if not any(mask):
-            return Skipped(f"no assistant token within max_length {max_length} ({cut + max_length} tokens)", cut + max_length)
-        return Sample(ids, mask, truncated_tokens=cut, truncated_masked_tokens=cut_masked)
-    return Sample(ids, mask)
+    return fit_length(Sample(ids, mask), max_length, overflow)
+
+
+def fit_length(sample: Sample, max_length: int, overflow: Overflow) -> Sample | Skipped:
+    """`sample` cut to `max_length` tokens ("truncate", counted) or Skipped ("drop"); Skipped if no masked token is left."""
+    ids, mask = sample.input_ids, sample.loss_mask
+    if not any(mask):
+        return Skipped("no assistant token to learn from", len(ids))
+    if len(ids) <= max_length:
+        return sample
+    if overflow == "drop":
+        return Skipped(f"{len(ids)} tokens > max_length {max_length}", len(ids))
+    cut_masked = sum(mask[max_length:])
+    cut = len(ids) - max_length
+    ids, mask = ids[:max_length], mask[:max_length]
+    if not any(mask):
+        return Skipped(f"no assistant token within max_length {max_length} ({cut + max_length} tokens)", cut + max_length)
+    return Sample(ids, mask, truncated_tokens=cut, truncated_masked_tokens=cut_masked)
 
 
 def prompt_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -229,3 +237,61 @@ def _special_string_in(tokenizer: PreTrainedTokenizerBase, message: Mapping[str,
                 if s in value:
                     return s
     return None
+
+
+IdCheck = Literal["match", "mismatch", "none"]
+
+
+@dataclass(frozen=True)
+class Tokenised:
+    """A generation's sample (or why there is none) and how its ids compared with the server's."""
+
+    result: Sample | Skipped
+    id_check: IdCheck = "none"  # "none": the server returned no token ids to compare with
+    mismatch: Mismatch | None = None
+    source: Literal["template", "server", "stored"] = "template"  # where the sample's ids come from
+
+
+def tokenise_generation(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]],
+                        last_turn: Mapping[str, Any] | None, max_length: int, overflow: Overflow = "truncate", *,
+                        stored: tuple[Sequence[int], Sequence[int]] | None = None, chat_template: str | None = None,
+                        end_of_turn_ids: Iterable[int] | None = None) -> Tokenised:
+    """One generation as a training sample.
+
+    `last_turn` is the record of the request that wrote the final assistant turn; where it holds
+    the server's `prompt_token_ids` and `completion_token_ids`, our rendering is checked against
+    them and, if they differ, the sample is built from the server's ids (what the target actually
+    saw and produced), with the mask of our rendering kept on the prompt part only where the ids
+    agree. `stored` is a pre-tokenised (input_ids, loss_mask) pair from an import: used as given
+    after a shape check. Length limits apply last, so the id check sees the whole conversation.
+    """
+    if stored is not None:
+        ids, mask = list(stored[0]), list(stored[1])
+        if len(ids) != len(mask) or not ids or any(m not in (0, 1) for m in mask):
+            return Tokenised(Skipped(f"stored input_ids/loss_mask unusable: {len(ids)} ids, {len(mask)} mask entries, "
+                                     "mask must be 0/1"), source="stored")
+        return Tokenised(fit_length(Sample(ids, mask), max_length, overflow), source="stored")
+    full = render_and_mask(tokenizer, messages, 1 << 30, "truncate", chat_template=chat_template,
+                           end_of_turn_ids=end_of_turn_ids)
+    if isinstance(full, Sample) and (last_turn or {}).get("finish_reason") == "length":
+        # The server cut the answer at max_tokens, so the template's end-of-turn after it was
+        # never generated: do not teach the draft to predict it there.
+        eot_ids = set(end_of_turn_ids) if end_of_turn_ids is not None else {tokenizer.eos_token_id}
+        last = max(i for i, m in enumerate(full.loss_mask) if m)
+        if full.input_ids[last] in eot_ids:
+            full = Sample(full.input_ids, full.loss_mask[:last] + [0] + full.loss_mask[last + 1:])
+    prompt_ids = (last_turn or {}).get("prompt_token_ids")
+    completion_ids = (last_turn or {}).get("completion_token_ids")
+    if isinstance(full, Skipped) or not prompt_ids or completion_ids is None:
+        return Tokenised(full if isinstance(full, Skipped) else fit_length(full, max_length, overflow))
+    mismatch = check_against_server_ids(full, prompt_ids, completion_ids)
+    if mismatch is None:
+        return Tokenised(fit_length(full, max_length, overflow), "match")
+    eot = set(end_of_turn_ids) if end_of_turn_ids is not None else {tokenizer.eos_token_id}
+    ids = list(prompt_ids) + list(completion_ids)
+    if last_turn.get("finish_reason") == "stop" and (not completion_ids or completion_ids[-1] not in eot):
+        ids.append(tokenizer.eos_token_id)  # the server stopped on it without returning it (llama.cpp does)
+    n = len(prompt_ids)
+    prompt_mask = full.loss_mask[:n] if full.input_ids[:n] == list(prompt_ids) else [0] * n
+    sample = Sample(ids, prompt_mask + [1] * (len(ids) - n))
+    return Tokenised(fit_length(sample, max_length, overflow), "mismatch", mismatch, "server")

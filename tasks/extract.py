@@ -262,3 +262,42 @@ class HFExtractor:
         # whose target argmax is outside it (CONTRACTS), so that bit is kept here.
         rec.argmax_in_draft = self.t2d.to(logits.device)[logits.argmax(dim=-1)].cpu()
         return None
+
+
+def build_extractor(backend: str, model: PreTrainedModel, tokenizer, settings: ExtractSettings,
+                    t2d: torch.Tensor | None, max_batch_tokens: int) -> Extractor:
+    """The configured engine. Another engine (an SGLang-based one for 1T-parameter targets) is one
+    more branch here: the flow only sees the `Extractor` protocol."""
+    if backend == "hf":
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return HFExtractor(model, settings, t2d=t2d if settings.teacher == "topk" else None,
+                           max_batch_tokens=max_batch_tokens, pad_token_id=pad)
+    raise ValueError(f"unknown extraction backend {backend!r} (available: 'hf')")
+
+
+# ---------------------------------------------------------------- the shard record format
+# One sample as the shard store packs it (token-aligned tensors, dim 0 = T). Training reads these
+# keys back; changing them is a format change (SHARD_FORMAT) that old shards must be refused by.
+SHARD_FORMAT = "eagle3-extract-v1"
+RECORD_KEYS = ("input_ids", "loss_mask", "aux_hidden", "aux_scale", "final_hidden", "topk_ids", "topk_logprobs",
+               "argmax_in_draft")
+
+
+def record_tensors(rec: Extracted) -> dict[str, torch.Tensor]:
+    """The record's tensors by name, without the ones its settings do not produce."""
+    return {k: getattr(rec, k) for k in RECORD_KEYS if getattr(rec, k) is not None}
+
+
+def record_from_tensors(tensors: dict[str, torch.Tensor], index: int = -1) -> Extracted:
+    """The inverse of `record_tensors` (e.g. one entry of `storage.shards.unpack_samples`)."""
+    unknown = set(tensors) - set(RECORD_KEYS)
+    if unknown or not {"input_ids", "loss_mask", "aux_hidden"} <= set(tensors):
+        raise ValueError(f"not an extract record: keys {sorted(tensors)}")
+    return Extracted(index=index, **{k: tensors[k] for k in RECORD_KEYS if k in tensors})
+
+
+def aux_hidden_float(rec: Extracted) -> torch.Tensor:
+    """The aux states as float32 [T, 3H], whatever the storage dtype."""
+    if rec.aux_scale is not None:
+        return dequantize_fp8(rec.aux_hidden, rec.aux_scale)
+    return rec.aux_hidden.float()

@@ -19,6 +19,7 @@ import re
 import shutil
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -237,3 +238,51 @@ def embedded_identity(gguf: Path | None = None) -> tuple[Path, str, str]:
     gguf = Path(gguf) if gguf else smollm2_gguf_path()
     template = gguf_chat_template(gguf)
     return gguf, gguf_revision(gguf), "sha256:" + hashlib.sha256(template.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class TargetIdentity:
+    """What names a target in lineage: a different model, revision or template means different data."""
+
+    name: str
+    revision: str
+    chat_template: str
+
+    @property
+    def template_id(self) -> str:
+        return "sha256:" + hashlib.sha256(self.chat_template.encode()).hexdigest()[:16]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_configured_target(gguf: str | None, model_path: str | None, revision: str | None = None,
+                           trust_remote_code: bool = False, dtype: str = "bfloat16", device: str = "auto",
+                           cache_dir: Path | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, TargetIdentity]:
+    """The extract/train target: a GGUF (default: SmolLM2's), or a transformers folder or hub id.
+
+    A hub or folder model loads safetensors only; its own code runs only with `trust_remote_code`.
+    The chat template is the one the server applies: the GGUF's, or the tokenizer's.
+    """
+    torch_dtype = getattr(torch, dtype)
+    if model_path is None:
+        path = Path(gguf) if gguf else smollm2_gguf_path()
+        model, tokenizer = load_target(path, cache_dir, torch_dtype)
+        identity = TargetIdentity(path.stem, gguf_revision(path), gguf_chat_template(path))
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        kwargs = {"revision": revision, "trust_remote_code": trust_remote_code}
+        tokenizer = AutoTokenizer.from_pretrained(model_path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype, use_safetensors=True, **kwargs).eval()
+        template = tokenizer.chat_template
+        if isinstance(template, dict):
+            template = template.get("default")
+        if not template:
+            raise ValueError(f"{model_path}: the tokenizer has no chat template; a server would guess one")
+        rev = getattr(model.config, "_commit_hash", None) or revision or "unversioned"
+        identity = TargetIdentity(Path(model_path).name or model_path, rev, template)
+    return model.to(resolve_device(device)), tokenizer, identity

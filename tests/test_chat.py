@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from tasks.chat import (Mismatch, Sample, Skipped, check_against_server_ids, mismatch_report, prompt_messages,
-                        render_and_mask, template_supports_reasoning)
+                        render_and_mask, template_supports_reasoning, tokenise_generation)
 from tasks.target import gguf_chat_template, smollm2_gguf_path
 
 SYSTEM_DEFAULT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -218,3 +218,36 @@ def test_prompt_tokens_equal_the_llama_cpp_servers_count(tok, tmp_path):
 def _last_header(s: Sample) -> int:
     """Index of the first token of the last masked run: the last assistant turn's start."""
     return _runs(s.loss_mask, 1)[-1][0]
+
+
+def test_generation_samples_use_the_servers_ids_where_they_differ(tok):
+    prompt = _template_ids(tok, prompt_messages(THREE_TURNS), True)
+    completion = tok(THREE_TURNS[-1]["content"], add_special_tokens=False)["input_ids"]
+    ours = render_and_mask(tok, THREE_TURNS, 4096)
+    turn = {"prompt_token_ids": prompt, "completion_token_ids": completion, "finish_reason": "stop"}
+
+    same = tokenise_generation(tok, THREE_TURNS, turn, 4096)
+    assert (same.id_check, same.source, same.result) == ("match", "template", ours)
+
+    # The server tokenised its answer differently (e.g. another merge): its ids win, the prompt's
+    # earlier assistant turns keep their mask, and the end-of-turn the server stopped on is added.
+    other = completion[:-1] + [completion[-1] + 1]
+    diff = tokenise_generation(tok, THREE_TURNS, {**turn, "completion_token_ids": other}, 4096)
+    assert diff.id_check == "mismatch" and diff.source == "server"
+    assert diff.mismatch == Mismatch(len(prompt) + len(completion) - 1, "completion", other[-1], completion[-1])
+    assert diff.result.input_ids == prompt + other + [tok.eos_token_id]
+    assert diff.result.loss_mask == ours.loss_mask[:len(prompt)] + [1] * (len(other) + 1)
+
+    # No ids from the server: nothing to check; a cut answer's end-of-turn is not taught.
+    none = tokenise_generation(tok, THREE_TURNS, {"finish_reason": "stop"}, 4096)
+    assert none.id_check == "none" and none.result == ours
+    cut = tokenise_generation(tok, THREE_TURNS, {"finish_reason": "length"}, 4096).result
+    last = max(i for i, m in enumerate(ours.loss_mask) if m)
+    assert ours.input_ids[last] == tok.eos_token_id
+    assert cut.loss_mask == ours.loss_mask[:last] + [0] + ours.loss_mask[last + 1:]
+
+    # Pre-tokenised imports are used as given, after a shape check; limits apply last.
+    stored = tokenise_generation(tok, THREE_TURNS, None, 3, stored=([5, 6, 7, 8], [0, 1, 1, 1]))
+    assert stored.result == Sample([5, 6, 7], [0, 1, 1], truncated_tokens=1, truncated_masked_tokens=1)
+    bad = tokenise_generation(tok, THREE_TURNS, None, 10, stored=([5, 6], [0, 2]))
+    assert isinstance(bad.result, Skipped) and "mask must be 0/1" in bad.result.reason

@@ -1,0 +1,336 @@
+"""The `extract` flow: generations -> tokenised samples -> hidden-state shards, one disk budget at a time.
+
+Orchestration only: one extract per workspace at a time, cleanup of what a crash left, the draft
+vocab (built once per tokenisation, then reused), the round loop (plan a shard that fits, extract,
+write the file, commit its lineage), progress (console bar, Prefect progress and table artifacts).
+The work is in tasks/ (chat, vocab, extract, rounds), persistence in storage/.
+
+A round ends when every pending generation is done, the sample limit is reached, or the next shard
+would not fit in the disk budget; training consumes shards and deletes them, and the next
+`extract` continues with the next samples.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from flows.regenerate import stage_lock
+from flows.runinfo import run_metadata
+from storage.datasets import file_sha256, read_generation_rows
+from storage.lineage import LineageError, LineageStore
+from storage.shards import ShardStore
+from tasks.chat import Sample, Tokenised, tokenise_generation
+from tasks.config import ExtractConfig, config_hash
+from tasks.extract import Extracted, ExtractSettings, Extractor, build_extractor, default_aux_layer_ids
+from tasks.rounds import extract_key, pack_results, plan_shard, sample_id, tokenize_key
+from tasks.target import TargetIdentity, load_configured_target
+from tasks.vocab import DraftVocab, TokenCounter, build_draft_vocab, coverage_report, load_vocab, save_vocab
+
+READ_CHUNK = 256  # generations read and tokenised at a time
+
+
+@dataclass
+class ExtractSummary:
+    run_id: str
+    extract_key: str = ""
+    vocab_id: str = ""
+    vocab_coverage: float = 0.0
+    aux_layer_ids: list[int] = field(default_factory=list)
+    pending_at_start: int = 0
+    shards_written: int = 0
+    extracted: int = 0
+    quarantined: int = 0
+    skipped: int = 0
+    tokens: int = 0
+    masked_tokens: int = 0
+    truncated_tokens: int = 0
+    bytes_written: int = 0
+    disk_used_bytes: int = 0
+    disk_budget_bytes: int = 0
+    peak_disk_bytes: int = 0
+    stopped_by: str = "done"  # done | budget | limit
+    ids_checked: int = 0
+    ids_mismatched: int = 0
+    first_mismatch: dict | None = None
+    removed_leftovers: int = 0
+    seconds: float = 0.0
+    reasons: list = field(default_factory=list)
+
+
+@dataclass
+class StageContext:
+    """What every step of a run shares: where things are, what the target is, how samples are made."""
+
+    config: ExtractConfig
+    store: LineageStore
+    workspace: Path
+    tokenizer: object
+    identity: TargetIdentity
+    tokenize_key: str
+
+    @property
+    def generations_dir(self) -> Path:
+        return self.workspace / "data" / "generations"
+
+    def tokenise(self, items: list[tuple[str, str, str]]) -> list[Tokenised]:
+        """Samples of (generation_id, params_key, file) items, in order."""
+        rows = read_generation_rows(self.generations_dir, [(g, f"{p}/{f}") for g, p, f in items])
+        cfg = self.config
+        out = []
+        for row in rows:
+            stored = (row["input_ids"], row["loss_mask"]) if row["input_ids"] else None
+            last_turn = row["turns"][-1] if row["turns"] else None
+            out.append(tokenise_generation(self.tokenizer, row["messages"], last_turn, cfg.max_length, cfg.overflow,
+                                           stored=stored, chat_template=self.identity.chat_template))
+        return out
+
+
+def _load_target(config: ExtractConfig):
+    t = config.target
+    return load_configured_target(t.gguf, t.model_path, t.revision, t.trust_remote_code, t.dtype, t.device)
+
+
+load_target_task = task(_load_target, name="load-target", cache_policy=NO_CACHE)
+
+
+def draft_vocab_for(ctx: StageContext, run_id: str, logger) -> tuple[DraftVocab, str, dict]:
+    """The vocab of this tokenisation: built from every generation's loss-masked tokens the first
+    time, then loaded (checksum verified) so that later rounds keep the same draft ids."""
+    cfg, store = ctx.config, ctx.store
+    row = store.draft_vocab(ctx.tokenize_key, cfg.draft_vocab_size)
+    if row is not None:
+        path = ctx.workspace / row["file"]
+        if file_sha256(path) != row["sha256"]:
+            raise LineageError(f"draft vocab {path} does not match its recorded sha256; it was changed after it was built")
+        return load_vocab(path), row["vocab_id"], json.loads(row["report"])
+    items = store.generations_to_tokenise(cfg.generation_params_keys)
+    if not items:
+        raise LineageError("no generations to tokenise: run `eagle3 regenerate` first")
+    counter = TokenCounter(len(ctx.tokenizer))
+    samples = 0
+    for start in range(0, len(items), READ_CHUNK):
+        for t in ctx.tokenise(items[start:start + READ_CHUNK]):
+            if isinstance(t.result, Sample):
+                counter.add(t.result.input_ids, t.result.loss_mask)
+                samples += 1
+    vocab = build_draft_vocab(counter.counts, cfg.draft_vocab_size)
+    report = coverage_report(vocab)
+    rel = Path("vocab") / f"{ctx.tokenize_key}-{cfg.draft_vocab_size}.safetensors"
+    save_vocab(vocab, ctx.workspace / rel)
+    digest = file_sha256(ctx.workspace / rel)
+    vocab_id = digest[:16]
+    store.register_draft_vocab(run_id, {
+        "vocab_id": vocab_id, "tokenize_key": ctx.tokenize_key, "file": str(rel), "sha256": digest,
+        "draft_vocab_size": vocab.draft_vocab_size, "target_vocab_size": vocab.target_vocab_size,
+        "coverage": vocab.coverage, "counted_tokens": report["total_tokens"], "counted_samples": samples,
+        "report": report})
+    logger.info("draft vocab %s: %d of %d target tokens, coverage %.4f of %d loss-masked tokens from %d samples",
+                vocab_id, vocab.draft_vocab_size, vocab.target_vocab_size, vocab.coverage, report["total_tokens"], samples)
+    return vocab, vocab_id, report
+
+
+vocab_task = task(draft_vocab_for, name="draft-vocab", cache_policy=NO_CACHE)
+
+
+def _sample_row(sid: str, gid: str, ekey: str, t: Tokenised, outcome: str, reason: str | None = None,
+                shard: str | None = None, index: int | None = None) -> dict:
+    r = t.result
+    sample = r if isinstance(r, Sample) else None
+    return {
+        "sample_id": sid, "generation_id": gid, "extract_key": ekey, "outcome": outcome,
+        "reason": reason if reason is not None else (None if sample else r.reason),  # type: ignore[union-attr]
+        "tokens": sample.num_tokens if sample else getattr(r, "num_tokens", None),
+        "masked_tokens": sample.num_masked if sample else None,
+        "truncated_tokens": sample.truncated_tokens if sample else None,
+        "id_check": t.id_check,
+        "id_mismatch": json.dumps(asdict(t.mismatch)) if t.mismatch else None,
+        "shard": shard, "shard_index": index,
+    }
+
+
+@flow(name="extract", log_prints=True)
+def extract(config: ExtractConfig) -> ExtractSummary:
+    """Tokenise generations with the serving template, build the draft vocab, and fill the disk
+    budget with hidden-state shards of the next pending samples."""
+    logger = get_run_logger()
+    ws = Path(config.workspace)
+    with stage_lock(ws, "extract"):
+        store = LineageStore(ws / "lineage.duckdb")
+        meta = run_metadata()
+        run_id = store.begin_run("extract", config.model_dump(mode="json"), config_hash(config),
+                                 meta["flow_run_id"], meta["git_sha"])
+        summary = ExtractSummary(run_id=run_id, disk_budget_bytes=config.disk_budget_bytes)
+        try:
+            _extract(config, store, ws, summary, logger)
+        except BaseException as e:
+            store.finish_run(run_id, "FAILED", {"error": f"{type(e).__name__}: {e}"})
+            raise
+        store.finish_run(run_id, "COMPLETED", asdict(summary))
+    return summary
+
+
+def _extract(config: ExtractConfig, store: LineageStore, ws: Path, summary: ExtractSummary, logger) -> None:
+    started = time.monotonic()
+    model, tokenizer, identity = load_target_task(config)
+    num_layers = model.config.num_hidden_layers
+    hidden_size = model.config.hidden_size
+    settings = ExtractSettings(aux_layer_ids=config.aux_layer_ids or default_aux_layer_ids(num_layers),
+                               teacher=config.teacher, topk=config.topk, storage=config.storage)
+    summary.aux_layer_ids = settings.aux_layer_ids
+    tkey = tokenize_key(identity.name, identity.revision, identity.template_id, config.max_length, config.overflow,
+                        config.generation_params_keys)
+    ctx = StageContext(config, store, ws, tokenizer, identity, tkey)
+    vocab, vocab_id, report = vocab_task(ctx, summary.run_id, logger)
+    summary.vocab_id, summary.vocab_coverage = vocab_id, vocab.coverage
+    ekey = extract_key(tkey, vocab_id, settings)
+    summary.extract_key = ekey
+    store.register_extract_settings(summary.run_id, ekey, vocab_id, {
+        "tokenize_key": tkey, "target": identity.name, "target_revision": identity.revision,
+        "template_id": identity.template_id, "hidden_size": hidden_size, "num_layers": num_layers,
+        "max_length": config.max_length, "overflow": config.overflow, **asdict(settings)})
+
+    shards = ShardStore(ws / "shards", config.disk_budget_bytes)
+    live = store.live_shards()
+    removed = shards.cleanup(set(live))
+    summary.removed_leftovers = len(removed)
+    if removed:
+        logger.warning("removed %d shard file(s) a crash left uncommitted; their samples are pending again", len(removed))
+    missing = [n for n in live if not (shards.folder / n).exists()]
+    if missing:
+        raise LineageError(f"{len(missing)} registered shard(s) are missing from {shards.folder} (e.g. {missing[0]}); "
+                           "shards are deleted only through the pipeline")
+    extractor = build_extractor(config.backend, model, tokenizer, settings, torch.from_numpy(vocab.t2d),
+                                config.max_batch_tokens)
+
+    pending = store.pending_generations(ekey, config.generation_params_keys, config.limit)
+    summary.pending_at_start = len(pending)
+    summary.peak_disk_bytes = shards.used_bytes()
+    if not pending:
+        logger.info("nothing to extract: every generation has a sample under extract key %s", ekey)
+    else:
+        _rounds(ctx, pending, ekey, settings, hidden_size, extractor, shards, summary, logger)
+    summary.disk_used_bytes = shards.used_bytes()
+    summary.seconds = time.monotonic() - started
+    counts = store.extract_summary(summary.run_id)
+    for k in ("extracted", "quarantined", "skipped", "tokens", "masked_tokens", "truncated_tokens", "ids_checked",
+              "ids_mismatched", "first_mismatch", "reasons"):
+        setattr(summary, k, counts[k])
+    if summary.ids_mismatched:
+        logger.warning("%d of %d samples' rendering differed from the server's token ids (the server's were used); "
+                       "first: %s", summary.ids_mismatched, summary.ids_checked, summary.first_mismatch)
+    create_table_artifact(key="extract-summary", table=summary_table(summary),
+                          description=f"extract run {summary.run_id} (extract key {ekey})")
+    create_table_artifact(key="draft-vocab-coverage", description=f"draft vocab {vocab_id}", table=[
+        {"what": k, "value": json.dumps(v) if isinstance(v, (dict, list)) else v} for k, v in report.items()])
+
+
+def _rounds(ctx: StageContext, pending: list[tuple[str, str, str]], ekey: str, settings: ExtractSettings,
+            hidden_size: int, extractor: Extractor, shards: ShardStore, summary: ExtractSummary, logger) -> None:
+    store, cfg = ctx.store, ctx.config
+    artifact_id = create_progress_artifact(progress=0.0, key="extract-progress", description="extract: generations done")
+    seq = store.shard_count()
+    queue: list[tuple[str, str, Tokenised]] = []  # (sample id, generation id, tokenised) awaiting a shard
+    no_shard_rows: list[dict] = []  # skipped samples: recorded with the next commit
+    done = tokens = 0
+    started = time.monotonic()
+    with Progress(TextColumn("extract"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+                  TimeRemainingColumn(), transient=True) as bar:
+        job = bar.add_task("extract", total=len(pending), rate="")
+        for start in range(0, len(pending) + 1, READ_CHUNK):
+            chunk = pending[start:start + READ_CHUNK]
+            for (gid, _, _), t in zip(chunk, ctx.tokenise(chunk) if chunk else []):
+                sid = sample_id(gid, ekey)
+                if isinstance(t.result, Sample):
+                    queue.append((sid, gid, t))
+                else:
+                    no_shard_rows.append(_sample_row(sid, gid, ekey, t, "skipped"))
+            exhausted = start + READ_CHUNK >= len(pending)
+            while queue:
+                lengths = [t.result.num_tokens for _, _, t in queue]  # type: ignore[union-attr]
+                room = cfg.disk_budget_bytes - shards.used_bytes()
+                plan = plan_shard(lengths, [s for s, _, _ in queue], ekey, settings, hidden_size, cfg.shard_bytes, room)
+                if plan.count == 0:
+                    summary.stopped_by = "budget"
+                    logger.info("disk budget reached: %d B used of %d B, the next shard needs %d B; "
+                                "train on (and delete) the written shards, then extract again",
+                                shards.used_bytes(), cfg.disk_budget_bytes, plan.predicted_bytes)
+                    break
+                if plan.count == len(queue) and not exhausted:
+                    break  # a fuller shard is possible once the next chunk is tokenised
+                taken, queue = queue[:plan.count], queue[plan.count:]
+                seq += 1
+                written, n_tokens = _write_shard(ctx, taken, ekey, settings, extractor, shards, seq, no_shard_rows, summary)
+                no_shard_rows = []
+                summary.peak_disk_bytes = max(summary.peak_disk_bytes, shards.used_bytes())
+                done += len(taken)
+                tokens += n_tokens
+                rate = tokens / max(time.monotonic() - started, 1e-6)
+                bar.update(job, completed=done, rate=f"{rate:,.0f} tok/s, {shards.used_bytes() / 2**20:,.1f} MiB")
+                update_progress_artifact(artifact_id, progress=100.0 * done / len(pending))
+            if summary.stopped_by == "budget" or exhausted:
+                break
+        if no_shard_rows:
+            store.write_extract_batch(summary.run_id, None, no_shard_rows)
+    if summary.stopped_by == "done" and cfg.limit is not None and len(pending) == cfg.limit:
+        summary.stopped_by = "limit"
+
+
+def _write_shard(ctx: StageContext, taken: list[tuple[str, str, Tokenised]], ekey: str, settings: ExtractSettings,
+                 extractor: Extractor, shards: ShardStore, seq: int, extra_rows: list[dict],
+                 summary: ExtractSummary) -> tuple[int, int]:
+    """Extract one planned shard, write it, then commit it with every sample's outcome."""
+    samples = [(t.result.input_ids, t.result.loss_mask) for _, _, t in taken]  # type: ignore[union-attr]
+    results = extractor.extract(samples)
+    sids = [s for s, _, _ in taken]
+    tensors, meta, kept = pack_results(results, sids, ekey, settings)
+    name = f"{ekey[:8]}-{seq:06d}.safetensors"
+    shard_row = None
+    if tensors is not None:
+        info = shards.write(name, tensors, meta)
+        kept_samples = [taken[i][2].result for i in kept]
+        shard_row = {"shard": name, "extract_key": ekey, "bytes": info.bytes, "sha256": info.sha256,
+                     "samples": len(kept), "tokens": sum(s.num_tokens for s in kept_samples),  # type: ignore[union-attr]
+                     "masked_tokens": sum(s.num_masked for s in kept_samples)}  # type: ignore[union-attr]
+        summary.shards_written += 1
+        summary.bytes_written += info.bytes
+    slot = {i: j for j, i in enumerate(kept)}
+    rows = list(extra_rows)
+    for i, ((sid, gid, t), r) in enumerate(zip(taken, results)):
+        if isinstance(r, Extracted):
+            rows.append(_sample_row(sid, gid, ekey, t, "extracted", shard=name, index=slot[i]))
+        else:
+            rows.append(_sample_row(sid, gid, ekey, t, "quarantined", reason=r.reason))
+    ctx.store.write_extract_batch(summary.run_id, shard_row, rows)
+    return len(taken), shard_row["tokens"] if shard_row else 0
+
+
+def summary_table(s: ExtractSummary) -> list[dict]:
+    rate = s.tokens / s.seconds if s.seconds else 0.0
+    return [
+        {"what": "pending at start", "value": s.pending_at_start},
+        {"what": "samples extracted", "value": s.extracted},
+        {"what": "quarantined (non-finite states)", "value": s.quarantined},
+        {"what": "skipped (tokenisation, with reason)", "value": s.skipped},
+        {"what": "tokens extracted", "value": s.tokens},
+        {"what": "loss-masked tokens", "value": s.masked_tokens},
+        {"what": "tokens cut by max_length", "value": s.truncated_tokens},
+        {"what": "tokens/s", "value": round(rate, 1)},
+        {"what": "shards written", "value": s.shards_written},
+        {"what": "bytes written", "value": s.bytes_written},
+        {"what": "disk used / budget (B)", "value": f"{s.disk_used_bytes} / {s.disk_budget_bytes}"},
+        {"what": "peak disk (B)", "value": s.peak_disk_bytes},
+        {"what": "stopped by", "value": s.stopped_by},
+        {"what": "server ids checked / mismatched", "value": f"{s.ids_checked} / {s.ids_mismatched}"},
+        {"what": "draft vocab coverage", "value": round(s.vocab_coverage, 4)},
+        {"what": "aux layer ids (output of layer i)", "value": str(s.aux_layer_ids)},
+        {"what": "uncommitted shard files removed", "value": s.removed_leftovers},
+    ]

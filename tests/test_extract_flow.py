@@ -1,0 +1,272 @@
+"""The extract flow end to end on a real Prefect API and a real DuckDB file: samples, vocab, shards
+under a disk budget, rounds, NaN quarantine, kill -9 resume and checksums.
+
+The target is a tiny random Llama saved as a transformers folder with SmolLM2's real tokenizer and
+chat template (fast; exercises the `model_path` target), plus one run on the real SmolLM2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from flows.extract import extract
+from flows.regenerate import regenerate
+from storage.lineage import LineageStore
+from storage.shards import CorruptShard, ShardStore
+from tasks.config import ExtractConfig, RegenerateConfig
+from tasks.extract import HFExtractor, aux_hidden_float
+from tasks.rounds import delete_consumed_shards, read_shard
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET_CACHE = Path(tempfile.gettempdir()) / "eagle3-test-targets"  # shared with the other target tests
+WORDS = ("alpha beta gamma delta river mountain quantum python kernel matrix garden violin copper orbit "
+         "lantern harbor meadow cipher saddle falcon ember glacier tundra pixel vector lemon comet").split()
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory) -> Path:
+    """An 8-layer random Llama (H=64) with SmolLM2's tokenizer, saved as safetensors."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tasks.target import load_target
+
+    _, tokenizer = load_target(cache_dir=TARGET_CACHE)
+    folder = tmp_path_factory.mktemp("tiny-target")
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=len(tokenizer), tie_word_embeddings=True,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _text(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) + str(rng.randrange(1000)) for _ in range(n))
+
+
+def conversations(n: int, seed: int = 0) -> list[dict]:
+    """Distinct multi-turn chats of varied length (distinct enough to survive near-dedupe)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        msgs = []
+        for _ in range(rng.choice((1, 1, 2, 3))):
+            msgs.append({"role": "user", "content": f"q{i} " + _text(rng, rng.randrange(5, 40))})
+            msgs.append({"role": "assistant", "content": _text(rng, rng.randrange(5, 120))})
+        out.append({"messages": msgs})
+    return out
+
+
+def import_generations(workspace: Path, tmp_path: Path, convs: list[dict]) -> int:
+    path = tmp_path / f"convs-{len(convs)}.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    cfg = RegenerateConfig(workspace=str(workspace), target_model="tiny", imports=[{"name": "seed", "path": str(path)}])
+    return regenerate(cfg).imported
+
+
+def extract_config(workspace: Path, target: Path | None, **kw) -> ExtractConfig:
+    base = {"workspace": str(workspace), "max_length": 256, "draft_vocab_size": 512, "shard_bytes": 200_000,
+            "disk_budget_bytes": 50_000_000, "max_batch_tokens": 1024}
+    if target is not None:
+        base["target"] = {"model_path": str(target), "dtype": "float32", "device": "cpu"}
+    return ExtractConfig.model_validate({**base, **kw})
+
+
+def sample_rows(store: LineageStore) -> list[tuple]:
+    return store.query_readonly(
+        "SELECT generation_id, outcome, shard, shard_index, sample_id, reason FROM samples ORDER BY generation_id")[1]
+
+
+def shard_contents(workspace: Path, store: LineageStore) -> dict[str, list[str]]:
+    """Sample ids held by each live shard, read back through its checksum."""
+    shards = ShardStore(workspace / "shards", 1 << 40)
+    out = {}
+    for name, row in store.live_shards().items():
+        _, ids, _ = read_shard(shards, name, row["sha256"])
+        out[name] = ids
+    return out
+
+
+def assert_exactly_once(workspace: Path, store: LineageStore, n_generations: int) -> None:
+    """Every generation has one sample row; every extracted sample is in exactly one shard, at its slot."""
+    rows = sample_rows(store)
+    gens = [r[0] for r in rows]
+    assert len(gens) == len(set(gens)) == n_generations
+    held = shard_contents(workspace, store)
+    in_shards = [sid for ids in held.values() for sid in ids]
+    assert len(in_shards) == len(set(in_shards))
+    extracted = {r[4]: (r[2], r[3]) for r in rows if r[1] == "extracted"}
+    assert set(in_shards) == set(extracted)
+    for name, ids in held.items():
+        for slot, sid in enumerate(ids):
+            assert extracted[sid] == (name, slot)
+    on_disk = sorted(p.name for p in (workspace / "shards").iterdir())
+    assert on_disk == sorted(held)  # no leftovers, no temporaries
+
+
+def test_extract_end_to_end_states_equal_a_direct_forward(prefect_api, tmp_path, workspace, tiny_target):
+    convs = conversations(24, seed=1)
+    convs.append({"messages": [{"role": "user", "content": "spell it"},
+                               {"role": "assistant", "content": "it is <|im_end|> here"}]})  # skipped, with reason
+    n = import_generations(workspace, tmp_path, convs)
+    assert n == 25
+    s = extract(extract_config(workspace, tiny_target))
+    assert (s.extracted, s.skipped, s.quarantined) == (24, 1, 0)
+    assert s.stopped_by == "done" and s.shards_written > 1 and s.aux_layer_ids == [1, 3, 4]
+    store = LineageStore(workspace / "lineage.duckdb")
+    assert_exactly_once(workspace, store, 25)
+    (reason,) = [r[5] for r in sample_rows(store) if r[1] == "skipped"]
+    assert "special-token string" in reason
+
+    # The shard's states are what a direct forward with output_hidden_states gives.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    name, row = next(iter(store.live_shards().items()))
+    records, _, meta = read_shard(ShardStore(workspace / "shards", 1 << 40), name, row["sha256"])
+    assert json.loads(meta["aux_layer_ids"]) == s.aux_layer_ids
+    rec = records[-1]
+    with torch.inference_mode():
+        hs = model(input_ids=rec.input_ids.long()[None], output_hidden_states=True).hidden_states
+    expect = torch.cat([hs[i + 1][0] for i in s.aux_layer_ids], dim=-1)
+    torch.testing.assert_close(aux_hidden_float(rec), expect.bfloat16().float(), rtol=0, atol=0)
+    torch.testing.assert_close(rec.final_hidden.float(), hs[-1][0].bfloat16().float(), rtol=0, atol=0)
+
+    # The vocab and its lineage; a second run has nothing left to do and changes nothing.
+    _, vocab = store.query_readonly("SELECT draft_vocab_size, coverage, counted_samples FROM draft_vocabs")
+    assert vocab[0][0] == 512 and 0 < vocab[0][1] <= 1 and vocab[0][2] == 24
+    again = extract(extract_config(workspace, tiny_target))
+    assert again.pending_at_start == 0 and again.shards_written == 0
+    assert_exactly_once(workspace, store, 25)
+    _, progress = store.progress()
+    extract_row = [r for r in progress if r[0] == "extract"][0]
+    assert extract_row[1:4] == (24, 0, 1)  # done, pending, failed
+
+
+def test_rounds_fill_the_budget_and_continue_after_consumed_shards_are_deleted(prefect_api, tmp_path, workspace, tiny_target):
+    n = import_generations(workspace, tmp_path, conversations(30, seed=2))
+    budget = 700_000
+    cfg = extract_config(workspace, tiny_target, disk_budget_bytes=budget, shard_bytes=150_000)
+    store = LineageStore(workspace / "lineage.duckdb")
+    shards = ShardStore(workspace / "shards", budget)
+    rounds, seen = 0, set()
+    while True:
+        s = extract(cfg)
+        rounds += 1
+        assert s.peak_disk_bytes <= budget and shards.used_bytes() <= budget
+        live = store.live_shards()
+        assert not set(live) & seen  # every round writes new shards; deleted ones never come back
+        if s.stopped_by == "done":
+            break
+        assert s.stopped_by == "budget" and s.shards_written > 0
+        # a training run reads the round, then frees it
+        store.mark_shards_read("train-test", sorted(live), epoch=0)
+        assert len(delete_consumed_shards(store, shards)) == len(live)
+        seen |= set(live)
+        assert rounds < 20
+    assert rounds >= 3
+    rows = sample_rows(store)
+    assert len(rows) == len({r[0] for r in rows}) == n
+    _, states = store.query_readonly("SELECT state, count(*) FROM shards GROUP BY 1 ORDER BY 1")
+    assert dict(states)["deleted"] >= 2
+    with pytest.raises(Exception, match="never consumed"):
+        store.mark_shard_deleted(next(k for k, v in store.live_shards().items() if v["state"] == "written"))
+
+
+def test_non_finite_states_quarantine_exactly_that_sample(prefect_api, tmp_path, workspace, tiny_target, monkeypatch):
+    import_generations(workspace, tmp_path, conversations(10, seed=3))
+    real = HFExtractor._forward
+    calls = {"n": 0}
+
+    def poisoned(self, input_ids, attention):
+        hs = list(real(self, input_ids, attention))
+        calls["n"] += 1
+        if calls["n"] == 1:
+            hs[2] = hs[2].clone()
+            hs[2][0, 0, 0] = float("nan")  # the first sample of the first batch, aux layer 1
+        return tuple(hs)
+
+    monkeypatch.setattr(HFExtractor, "_forward", poisoned)
+    s = extract(extract_config(workspace, tiny_target))
+    assert (s.extracted, s.quarantined) == (9, 1)
+    store = LineageStore(workspace / "lineage.duckdb")
+    (row,) = [r for r in sample_rows(store) if r[1] == "quarantined"]
+    assert row[2] is None and "non-finite values in aux layer 1" in row[5]
+    assert_exactly_once(workspace, store, 10)
+
+
+def test_a_corrupted_shard_is_detected_by_its_checksum(prefect_api, tmp_path, workspace, tiny_target):
+    import_generations(workspace, tmp_path, conversations(6, seed=4))
+    extract(extract_config(workspace, tiny_target))
+    store = LineageStore(workspace / "lineage.duckdb")
+    name, row = next(iter(store.live_shards().items()))
+    path = workspace / "shards" / name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit in the tensor data: safetensors alone would not notice
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptShard, match="sha256 mismatch"):
+        read_shard(ShardStore(workspace / "shards", 1 << 40), name, row["sha256"])
+
+
+def test_kill_9_during_extraction_then_resume_has_no_duplicates_or_gaps(prefect_api, tmp_path, workspace, tiny_target):
+    n = import_generations(workspace, tmp_path, conversations(60, seed=5))
+    cfg = {"workspace": str(workspace), "extract": extract_config(workspace, tiny_target, shard_bytes=60_000).model_dump(mode="json")}
+    cfg["extract"].pop("workspace")
+    path = tmp_path / "extract.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    store = LineageStore(workspace / "lineage.duckdb")
+    shard_dir = workspace / "shards"
+    kills = 0
+    for delay_after_first_file in (0.0, 0.3, 0.8):
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "extract", "-c", str(path)], env=env, cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=open(tmp_path / "kill.log", "ab"))
+        deadline = time.monotonic() + 120
+        # wait until this run writes a new shard (or a temporary), then kill it at a varying moment
+        before = set(os.listdir(shard_dir)) if shard_dir.exists() else set()
+        while time.monotonic() < deadline and proc.poll() is None:
+            if shard_dir.exists() and set(os.listdir(shard_dir)) - before:
+                break
+            time.sleep(0.01)
+        time.sleep(delay_after_first_file)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        proc.wait(timeout=30)
+    assert kills >= 2, (tmp_path / "kill.log").read_text()[-3000:]
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "extract", "-c", str(path)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_exactly_once(workspace, store, n)
+    _, crashed = store.query_readonly("SELECT count(*) FROM runs WHERE flow = 'extract' AND state = 'CRASHED'")
+    assert crashed[0][0] == kills
+
+
+def test_the_real_smollm2_target_with_fp8_and_topk(prefect_api, tmp_path, workspace):
+    import_generations(workspace, tmp_path, conversations(4, seed=6))
+    s = extract(extract_config(workspace, None, storage="fp8", teacher="topk", topk=8, draft_vocab_size=256))
+    assert s.extracted == 4 and s.aux_layer_ids == [1, 14, 26]
+    store = LineageStore(workspace / "lineage.duckdb")
+    name, row = next(iter(store.live_shards().items()))
+    records, _, meta = read_shard(ShardStore(workspace / "shards", 1 << 40), name, row["sha256"])
+    rec = records[0]
+    assert rec.aux_hidden.dtype == torch.float8_e4m3fn and rec.aux_hidden.shape[1] == 3 * 576
+    assert rec.topk_ids.shape[1] == 8 and rec.final_hidden is None
+    from tasks.vocab import load_vocab
+
+    (vfile,) = store.query_readonly("SELECT file FROM draft_vocabs")[1][0]
+    vocab = load_vocab(workspace / vfile)
+    assert vocab.t2d[rec.topk_ids.long().numpy()].all()  # the teacher only names draft-vocab tokens
