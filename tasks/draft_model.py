@@ -1,0 +1,649 @@
+"""The EAGLE-3 draft model, its training-time-test (TTT) loss and the batches it trains on.
+
+Owns `DraftConfig` (the draft's shape, derived from any Llama- or DeepSeek-V3/Kimi-shaped target
+config), `Eagle3Draft` (frozen target embeddings, `fc` 3H -> H, one Llama decoder layer whose
+q/k/v read `cat([input_layernorm(embeds), hidden_norm(hidden)])` with the raw hidden as residual,
+`norm`, `lm_head` over the draft vocab, `d2t`/`t2d` buffers), `collate` (extract records ->
+right-padded `Batch`), the teacher (`teacher_targets`) and `ttt_loss`.
+
+Promises, in one place each:
+- Alignment (tasks/extract.py: position t holds the states after reading token t). TTT step i at
+  position t reads `embed(token[t+i+1])` and, at step 0, `fc(aux[t])` (later steps: the draft's
+  own pre-norm output of step i-1 at t); it predicts token t+i+2, whose teacher is the target's
+  distribution at position t+i+1. A prediction counts when token t+i+2 is loss-masked (the
+  record's loss_mask is per token) and the target's full-vocab argmax at t+i+1 lies in the draft
+  vocab (CONTRACTS: such positions are masked).
+- Attention at step i, query t: step-0 keys s <= t of the same sample, plus the keys of steps
+  1..i at position t only (the "diagonal" cache). RoPE position of step i is t+i, the position
+  the draft token occupies at serving time. `ttt_attention_mask` states this as a dense mask.
+- A sample's logits and loss do not depend on what it is batched with (right padding; causal
+  attention never reaches a padded key from a real query).
+- Loss: forward KL as soft cross entropy over the draft vocab, mean over counted positions per
+  step, steps weighted decay**i (0.8 as in EAGLE-3/SpecForge). The teacher is float32.
+- No python loop over positions: the TTT steps (k <= ~8) are the only loop in the model; the
+  teacher is computed in chunks of positions only to bound memory on 160K-vocab targets.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tasks.extract import Extracted, aux_hidden_float, validate_aux_layer_ids
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, PreTrainedModel
+
+Teacher = Literal["final_hidden", "topk"]
+DEFAULT_TTT_STEPS = 7
+DEFAULT_STEP_DECAY = 0.8
+
+
+# ---------------------------------------------------------------- configuration
+
+def _get(cfg: Any, name: str, default: Any = None) -> Any:
+    if isinstance(cfg, Mapping):
+        return cfg.get(name, default)
+    return getattr(cfg, name, default)
+
+
+def _rope_from(cfg: Any) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling or None for plain RoPE) from a transformers 5.x or 4.x style config."""
+    params = _get(cfg, "rope_parameters")
+    if isinstance(params, Mapping) and params:
+        theta = params.get("rope_theta", _get(cfg, "rope_theta"))
+        scaling: Mapping[str, Any] | None = params
+    else:
+        theta = _get(cfg, "rope_theta")
+        scaling = _get(cfg, "rope_scaling")
+    return (10000.0 if theta is None else float(theta)), _normalise_rope_scaling(scaling)
+
+
+def _normalise_rope_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The scaling dict with one `rope_type` key and no `rope_theta`; None for plain RoPE."""
+    if not scaling:
+        return None
+    out = {k: v for k, v in dict(scaling).items() if k not in ("rope_theta", "type")}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return None
+    out["rope_type"] = rope_type
+    return out
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """The draft's shape. `aux_layer_ids` are project convention: output of decoder layer i, 0-based."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None = field(hash=False)
+    max_position_embeddings: int
+    hidden_act: str
+    target_vocab_size: int
+    draft_vocab_size: int
+    aux_layer_ids: tuple[int, ...]
+    target_num_layers: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "aux_layer_ids", tuple(self.aux_layer_ids))
+        object.__setattr__(self, "rope_scaling", _normalise_rope_scaling(self.rope_scaling))
+        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                     "max_position_embeddings", "target_vocab_size", "draft_vocab_size", "target_num_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"DraftConfig.{name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"DraftConfig.num_key_value_heads={self.num_key_value_heads} must divide "
+                             f"num_attention_heads={self.num_attention_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"DraftConfig.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"DraftConfig.rms_norm_eps must be positive, got {self.rms_norm_eps}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"DraftConfig.rope_theta must be positive, got {self.rope_theta}")
+        if self.draft_vocab_size > self.target_vocab_size:
+            raise ValueError(f"DraftConfig.draft_vocab_size={self.draft_vocab_size} exceeds "
+                             f"target_vocab_size={self.target_vocab_size}")
+        from transformers.activations import ACT2FN
+
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(f"DraftConfig.hidden_act {self.hidden_act!r} is not a transformers activation")
+        try:
+            validate_aux_layer_ids(list(self.aux_layer_ids), self.target_num_layers)
+        except ValueError as e:
+            raise ValueError(f"DraftConfig.aux_layer_ids: {e}") from None
+        try:
+            rope_inv_freq(self)
+        except Exception as e:  # noqa: BLE001 - any failure here means the rope settings are unusable
+            raise ValueError(f"DraftConfig.rope_scaling {self.rope_scaling!r} cannot be computed: {e}") from None
+
+    @property
+    def rope_parameters(self) -> dict[str, Any]:
+        """transformers 5.x style: rope_type, rope_theta and the scaling fields in one dict."""
+        return {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+
+    @classmethod
+    def from_target_config(cls, target_config: Any, draft_vocab_size: int, aux_layer_ids: Sequence[int],
+                           **overrides: Any) -> DraftConfig:
+        """The draft for `target_config` (a transformers config or its dict; multimodal wrappers use their text config).
+
+        The draft layer is a plain Llama layer whatever the target's attention: an MLA target
+        (DeepSeek-V3, Kimi) has a `head_dim` that describes its rope part only, so the draft uses
+        hidden_size // heads there; absent kv heads mean as many as heads. `overrides` replace any
+        field (e.g. a smaller intermediate_size, or another rope setting for the draft).
+        """
+        if not isinstance(target_config, Mapping) and hasattr(target_config, "get_text_config"):
+            target_config = target_config.get_text_config()
+        hidden = _get(target_config, "hidden_size")
+        heads = _get(target_config, "num_attention_heads")
+        layers = _get(target_config, "num_hidden_layers")
+        vocab = _get(target_config, "vocab_size")
+        for name, value in (("hidden_size", hidden), ("num_attention_heads", heads), ("num_hidden_layers", layers),
+                            ("vocab_size", vocab)):
+            if value is None:
+                raise ValueError(f"target config has no {name}")
+        is_mla = _get(target_config, "kv_lora_rank") is not None
+        head_dim = None if is_mla else _get(target_config, "head_dim")
+        if head_dim is None:
+            if hidden % heads:
+                raise ValueError(f"target hidden_size={hidden} is not divisible by num_attention_heads={heads}; "
+                                 "pass head_dim=... for the draft")
+            head_dim = hidden // heads
+        theta, scaling = _rope_from(target_config)
+        fields: dict[str, Any] = {
+            "hidden_size": hidden, "num_attention_heads": heads,
+            "num_key_value_heads": _get(target_config, "num_key_value_heads") or heads,
+            "head_dim": head_dim, "intermediate_size": _get(target_config, "intermediate_size"),
+            "rms_norm_eps": float(_get(target_config, "rms_norm_eps", 1e-6)),
+            "rope_theta": theta, "rope_scaling": scaling,
+            "max_position_embeddings": _get(target_config, "max_position_embeddings", 4096),
+            "hidden_act": _get(target_config, "hidden_act", "silu"), "target_vocab_size": vocab,
+            "draft_vocab_size": draft_vocab_size, "aux_layer_ids": tuple(aux_layer_ids), "target_num_layers": layers,
+        }
+        unknown = set(overrides) - set(fields)
+        if unknown:
+            raise ValueError(f"unknown DraftConfig fields in overrides: {sorted(unknown)}")
+        fields.update(overrides)
+        return cls(**fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["aux_layer_ids"] = list(self.aux_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DraftConfig:
+        return cls(**d)
+
+    def llama_config(self) -> LlamaConfig:
+        """The draft layer as a transformers LlamaConfig (rope computations, interop)."""
+        from transformers import LlamaConfig
+
+        return LlamaConfig(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
+                           num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                           intermediate_size=self.intermediate_size, rms_norm_eps=self.rms_norm_eps,
+                           rope_parameters=self.rope_parameters, max_position_embeddings=self.max_position_embeddings,
+                           hidden_act=self.hidden_act, vocab_size=self.target_vocab_size, num_hidden_layers=1,
+                           tie_word_embeddings=False)
+
+
+def rope_inv_freq(config: DraftConfig) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim/2], cos/sin scale) for the draft's rope settings.
+
+    Plain RoPE is computed here; scaled variants use transformers' own initialisers, so a yarn or
+    llama3 target gives the draft the frequencies transformers (and SGLang, which follows the
+    same formulas) computes. Frequencies are static: positions beyond max_position_embeddings do
+    not re-scale ("dynamic" rope is computed at its initial length).
+    """
+    if config.rope_scaling is None:
+        dim = config.head_dim
+        return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)).float(), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = config.rope_scaling["rope_type"]
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unknown rope_type {rope_type!r} (known: default, {', '.join(ROPE_INIT_FUNCTIONS)})")
+    import logging
+
+    # transformers warns about yarn factors it finds inconsistent; the target's own settings are
+    # what the server uses, so the draft keeps them as they are.
+    logger = logging.getLogger("transformers.modeling_rope_utils")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config.llama_config())
+    finally:
+        logger.setLevel(level)
+    return inv_freq.float(), float(scale)
+
+
+# ---------------------------------------------------------------- the model
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the input dtype, as Llama does; scale in the input dtype.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def ttt_attention_mask(attention_mask: torch.Tensor, step: int) -> torch.Tensor:
+    """The dense TTT mask at `step`: bool [B, T, T*(step+1)], True where query t may attend.
+
+    Keys are laid out step by step (step 0's T keys, then step 1's, ...). Query t sees step-0 key
+    s when s <= t and s is a real token of its sample, and for each later step j in 1..step only
+    the key at its own position t. The model never builds this mask (it computes the same thing
+    in O(T^2 + T*step)); it is the statement tests check the attention against.
+    """
+    b, t = attention_mask.shape
+    real = attention_mask.bool()
+    causal = torch.ones(t, t, dtype=torch.bool, device=real.device).tril()
+    blocks = [causal[None] & real[:, None, :]]
+    eye = torch.eye(t, dtype=torch.bool, device=real.device)
+    blocks += [eye[None].expand(b, t, t)] * step
+    return torch.cat(blocks, dim=-1)
+
+
+def ttt_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                  step0_mask: torch.Tensor) -> torch.Tensor:
+    """Attention of queries q [B, nh, T, d] over the TTT cache; returns [B, nh, T, d].
+
+    keys/values: one [B, kvh, T, d] tensor per step so far (this step's included, last).
+    step0_mask: bool [B, T, T], the step-0 block of `ttt_attention_mask`. Later steps contribute
+    one score per query (its own position), so they cost a dot product each, not a T x T block.
+    Scores and softmax are float32.
+    """
+    b, nh, t, d = q.shape
+    kvh = keys[0].shape[1]
+    qg = q.view(b, kvh, nh // kvh, t, d)  # grouped-query attention without repeating k/v
+    scale = 1.0 / math.sqrt(d)
+    scores0 = torch.matmul(qg, keys[0].unsqueeze(2).transpose(-1, -2)).float() * scale  # [B, kvh, g, T, T]
+    scores0 = scores0.masked_fill(~step0_mask[:, None, None], float("-inf"))
+    diag = [(qg * k.unsqueeze(2)).sum(-1, keepdim=True).float() * scale for k in keys[1:]]  # [B, kvh, g, T, 1]
+    weights = torch.cat([scores0, *diag], dim=-1).softmax(dim=-1).to(q.dtype)
+    out = torch.matmul(weights[..., :t], values[0].unsqueeze(2))
+    for j, v in enumerate(values[1:]):
+        out = out + weights[..., t + j, None] * v.unsqueeze(2)
+    return out.view(b, nh, t, d)
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__()
+        h, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
+        # q/k/v read the concatenation [embeds, hidden]: 2H inputs (the EAGLE-3 midlayer).
+        self.q_proj = nn.Linear(2 * h, self.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(2 * h, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(2 * h, self.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: list[tuple[torch.Tensor, torch.Tensor]], step0_mask: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        cache.append((k, v))
+        out = ttt_attention(q, [c[0] for c in cache], [c[1] for c in cache], step0_mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """The midlayer. Names match SGLang's LlamaForCausalLMEagle3 (`midlayer.*`) one to one."""
+
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Eagle3Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = Eagle3MLP(config)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: list[tuple[torch.Tensor, torch.Tensor]], step0_mask: torch.Tensor) -> torch.Tensor:
+        # The residual is the raw hidden state, not the embedding and not its normed copy: SGLang
+        # (and vLLM with norm_before_residual=false) serve exactly this.
+        residual = hidden
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        h = residual + self.self_attn(x, cos, sin, cache, step0_mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _shift_left(x: torch.Tensor, n: int, fill: float | bool = 0) -> torch.Tensor:
+    """x[:, t+n] at t (dim 1), `fill` past the end."""
+    if n == 0:
+        return x
+    pad = x.new_full((x.shape[0], min(n, x.shape[1]), *x.shape[2:]), fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        # The target's embeddings, frozen: the server copies them from the target, so training
+        # must never move them.
+        self.embed_tokens = nn.Embedding(config.target_vocab_size, h)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(3 * h, h, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(config.target_vocab_size, dtype=torch.bool))
+        # A plain float32 attribute, not a buffer: `draft.to(torch.bfloat16)` must not round the
+        # rope frequencies (positions in the thousands would drift).
+        self.rope_inv_freq, self.rope_scale = rope_inv_freq(config)
+
+    # -- vocabulary
+    def set_vocab(self, d2t: torch.Tensor | np.ndarray, t2d: torch.Tensor | np.ndarray) -> None:
+        """Install `d2t` offsets and the `t2d` mask after checking them (tasks.vocab.validate_vocab)."""
+        from tasks.vocab import validate_vocab
+
+        d2t_np, t2d_np = np.asarray(torch.as_tensor(d2t).cpu()), np.asarray(torch.as_tensor(t2d).cpu())
+        problems = validate_vocab(d2t_np, t2d_np, self.config.target_vocab_size, self.config.draft_vocab_size)
+        if problems:
+            raise ValueError("invalid draft vocab:\n" + "\n".join(problems))
+        self.d2t.copy_(torch.as_tensor(d2t_np))
+        self.t2d.copy_(torch.as_tensor(t2d_np))
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        """Target id of each draft id (what SGLang calls hot_token_id)."""
+        return self.d2t + torch.arange(self.config.draft_vocab_size, device=self.d2t.device)
+
+    def target_to_draft(self) -> torch.Tensor:
+        """Draft id of each target id, -1 outside the draft vocab."""
+        out = torch.full((self.config.target_vocab_size,), -1, dtype=torch.int64, device=self.d2t.device)
+        out[self.draft_to_target] = torch.arange(self.config.draft_vocab_size, device=self.d2t.device)
+        return out
+
+    # -- forward
+    def _rope(self, length: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        device = self.fc.weight.device
+        pos = torch.arange(offset, offset + length, device=device, dtype=torch.float32)
+        freqs = pos[:, None] * self.rope_inv_freq.to(device)[None]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
+
+    def steps(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+              steps: int = DEFAULT_TTT_STEPS) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Yield (pre-norm hidden [B, T, H], logits [B, T, draft_vocab]) for TTT steps 0..steps-1.
+
+        aux_hidden [B, T, 3H] and input_ids [B, T] are record-aligned (not shifted): the shifting
+        described in the module docstring happens here. A generator, so a loss can be taken per
+        step without keeping every step's logits alive.
+        """
+        b, t = input_ids.shape
+        if aux_hidden.shape[:2] != (b, t) or aux_hidden.shape[-1] != 3 * self.config.hidden_size:
+            raise ValueError(f"aux_hidden must be [B, T, 3H] = [{b}, {t}, {3 * self.config.hidden_size}], "
+                             f"got {list(aux_hidden.shape)}")
+        if attention_mask is None:
+            attention_mask = torch.ones(b, t, dtype=torch.bool, device=input_ids.device)
+        causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
+        step0_mask = causal[None] & attention_mask.bool()[:, None, :]
+        hidden = self.fc(aux_hidden.to(self.fc.weight.dtype))
+        cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i in range(steps):
+            embeds = self.embed_tokens(_shift_left(input_ids, i + 1))
+            cos, sin = self._rope(t, i)  # the step-i draft token sits at position t+i when served
+            hidden = self.midlayer(embeds, hidden, cos, sin, cache, step0_mask)
+            yield hidden, self.lm_head(self.norm(hidden))
+
+    def forward(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                steps: int = 1) -> list[torch.Tensor]:
+        """Logits [B, T, draft_vocab] of each TTT step (step 0 alone by default)."""
+        return [logits for _, logits in self.steps(aux_hidden, input_ids, attention_mask, steps)]
+
+
+def load_target_embeddings(draft: Eagle3Draft, target_model: PreTrainedModel | nn.Module | torch.Tensor) -> None:
+    """Copy the target's input embeddings into the draft's frozen `embed_tokens`."""
+    weight = target_model if isinstance(target_model, torch.Tensor) else target_model.get_input_embeddings().weight
+    expected = (draft.config.target_vocab_size, draft.config.hidden_size)
+    if tuple(weight.shape) != expected:
+        raise ValueError(f"target embeddings have shape {tuple(weight.shape)}, the draft expects {expected} "
+                         "(target_vocab_size, hidden_size)")
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(weight.detach().to(draft.embed_tokens.weight.dtype))
+    draft.embed_tokens.weight.requires_grad_(False)
+
+
+def target_head_weight(target_model: PreTrainedModel | nn.Module) -> torch.Tensor:
+    """The target's lm_head weight [V, H]: the final_hidden teacher's projection (tied models: the embeddings)."""
+    return target_model.get_output_embeddings().weight.detach()
+
+
+# ---------------------------------------------------------------- batches and teachers
+
+@dataclass
+class Batch:
+    """Right-padded records. Teacher tensors are set for exactly one teacher kind."""
+
+    input_ids: torch.Tensor        # int64 [B, T], pad_token_id past each length
+    attention_mask: torch.Tensor   # bool [B, T]
+    loss_mask: torch.Tensor        # bool [B, T], False on padding
+    aux_hidden: torch.Tensor       # float [B, T, 3H], zero on padding
+    lengths: torch.Tensor          # int64 [B]
+    teacher: Teacher
+    final_hidden: torch.Tensor | None = None     # float [B, T, H] post-norm target states
+    topk_ids: torch.Tensor | None = None         # int64 [B, T, k] target ids
+    topk_logprobs: torch.Tensor | None = None    # float32 [B, T, k], -inf on padding
+    argmax_in_draft: torch.Tensor | None = None  # bool [B, T] (topk teacher)
+    indices: list[int] = field(default_factory=list)
+
+    def to(self, device: torch.device | str) -> Batch:
+        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        return Batch(**moved)
+
+
+def collate(records: Sequence[Extracted], pad_token_id: int = 0, dtype: torch.dtype = torch.float32) -> Batch:
+    """Right-pad extract records into one `Batch` (aux states dequantised to `dtype`, fp8 included)."""
+    if not records:
+        raise ValueError("collate needs at least one record")
+    kinds = {"final_hidden" if r.final_hidden is not None else "topk" if r.topk_ids is not None else None
+             for r in records}
+    if None in kinds:
+        raise ValueError("a record has no teacher (neither final_hidden nor topk_ids)")
+    if len(kinds) > 1:
+        raise ValueError("records mix the final_hidden and topk teachers; batch them separately")
+    teacher: Teacher = kinds.pop()  # type: ignore[assignment]
+    widths = {r.aux_hidden.shape[-1] for r in records}
+    if len(widths) > 1:
+        raise ValueError(f"records have different aux widths {sorted(widths)}: they come from different targets")
+    lengths = [int(r.input_ids.shape[0]) for r in records]
+    for r, n in zip(records, lengths):
+        if r.loss_mask.shape[0] != n or r.aux_hidden.shape[0] != n:
+            raise ValueError(f"record {r.index}: input_ids, loss_mask and aux_hidden lengths differ")
+    b, t = len(records), max(lengths)
+    out = Batch(input_ids=torch.full((b, t), pad_token_id, dtype=torch.int64),
+                attention_mask=torch.zeros(b, t, dtype=torch.bool), loss_mask=torch.zeros(b, t, dtype=torch.bool),
+                aux_hidden=torch.zeros(b, t, widths.pop(), dtype=dtype), lengths=torch.tensor(lengths),
+                teacher=teacher, indices=[r.index for r in records])
+    if teacher == "final_hidden":
+        out.final_hidden = torch.zeros(b, t, records[0].final_hidden.shape[-1], dtype=dtype)
+    else:
+        k = {r.topk_ids.shape[-1] for r in records}
+        if len(k) > 1 or any(r.argmax_in_draft is None or r.topk_logprobs is None for r in records):
+            raise ValueError("topk records must share k and carry topk_logprobs and argmax_in_draft")
+        k_ = k.pop()
+        out.topk_ids = torch.zeros(b, t, k_, dtype=torch.int64)
+        out.topk_logprobs = torch.full((b, t, k_), float("-inf"), dtype=torch.float32)
+        out.argmax_in_draft = torch.zeros(b, t, dtype=torch.bool)
+    for i, (r, n) in enumerate(zip(records, lengths)):
+        out.input_ids[i, :n] = r.input_ids.long()
+        out.attention_mask[i, :n] = True
+        out.loss_mask[i, :n] = r.loss_mask.bool()
+        out.aux_hidden[i, :n] = aux_hidden_float(r).to(dtype)
+        if teacher == "final_hidden":
+            out.final_hidden[i, :n] = r.final_hidden.to(dtype)
+        else:
+            out.topk_ids[i, :n] = r.topk_ids.long()
+            out.topk_logprobs[i, :n] = r.topk_logprobs.float()
+            out.argmax_in_draft[i, :n] = r.argmax_in_draft.bool()
+    return out
+
+
+@dataclass
+class TeacherTargets:
+    probs: torch.Tensor            # float32 [B, T, draft_vocab]: target distribution restricted to the draft vocab
+    argmax_in_draft: torch.Tensor  # bool [B, T]: the target's full-vocab argmax is a draft token
+
+
+@torch.no_grad()
+def teacher_targets(batch: Batch, draft: Eagle3Draft, target_head: torch.Tensor | None = None,
+                    chunk_tokens: int = 1024) -> TeacherTargets:
+    """The teacher at every position of `batch`, over the draft vocab (draft id order).
+
+    final_hidden: logits = final_hidden @ target_head.T in float32 (target_head: the target's
+    lm_head weight [V, H]), softmax over the draft ids, argmax over the full vocab. Computed in
+    chunks of positions so a 160K-vocab target never needs B*T*V floats at once.
+    topk: the stored log-probs (already renormalised over the draft vocab) scattered into a dense
+    draft-vocab distribution and renormalised over the k kept tokens, so every counted position
+    holds a distribution.
+    """
+    b, t = batch.input_ids.shape
+    n_draft = draft.config.draft_vocab_size
+    device = draft.d2t.device
+    if batch.teacher == "final_hidden":
+        if target_head is None:
+            raise ValueError("the final_hidden teacher needs target_head, the target's lm_head weight [V, H]")
+        v = draft.config.target_vocab_size
+        if target_head.shape != (v, draft.config.hidden_size):
+            raise ValueError(f"target_head has shape {tuple(target_head.shape)}, "
+                             f"expected ({v}, {draft.config.hidden_size})")
+        head = target_head.detach().to(device, torch.float32)
+        draft_ids = draft.draft_to_target
+        states = batch.final_hidden.reshape(b * t, -1)
+        probs = torch.empty(b * t, n_draft, dtype=torch.float32, device=device)
+        in_draft = torch.empty(b * t, dtype=torch.bool, device=device)
+        for start in range(0, b * t, chunk_tokens):
+            logits = states[start:start + chunk_tokens].to(device, torch.float32) @ head.T
+            in_draft[start:start + chunk_tokens] = draft.t2d[logits.argmax(dim=-1)]
+            probs[start:start + chunk_tokens] = logits[:, draft_ids].softmax(dim=-1)
+        return TeacherTargets(probs.view(b, t, n_draft), in_draft.view(b, t))
+    to_draft = draft.target_to_draft()
+    ids = to_draft[batch.topk_ids.to(device)]
+    kept = torch.isfinite(batch.topk_logprobs.to(device))
+    bad = kept & (ids < 0)
+    if bad.any():
+        raise ValueError(f"{int(bad.sum())} top-k teacher ids are outside this draft's vocab: the records were "
+                         "extracted with another draft vocabulary")
+    p = torch.where(kept, batch.topk_logprobs.to(device).exp(), torch.zeros((), device=device))
+    probs = torch.zeros(b, t, n_draft, dtype=torch.float32, device=device)
+    probs.scatter_add_(-1, ids.clamp_min(0), p)
+    probs = probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return TeacherTargets(probs, batch.argmax_in_draft.to(device) & batch.attention_mask.to(device))
+
+
+# ---------------------------------------------------------------- the TTT loss
+
+@dataclass
+class TTTResult:
+    """Per-step numbers of one batch. Counts let a trainer aggregate over batches (sum, then divide)."""
+
+    loss: torch.Tensor                 # scalar, sum_i decay**i * step_loss[i]; differentiable
+    step_loss: torch.Tensor            # [k] mean soft cross entropy over counted positions; differentiable
+    sample_loss: torch.Tensor          # [B, k] the same per sample (0 where a sample has no counted position)
+    valid: torch.Tensor                # int64 [k] counted positions
+    correct: torch.Tensor              # int64 [k] counted positions where draft argmax == teacher argmax
+    conditional_valid: torch.Tensor    # int64 [k] counted positions whose steps < i were all counted and correct
+    conditional_correct: torch.Tensor  # int64 [k] those that are correct at step i too
+    weights: tuple[float, ...]
+
+    @property
+    def accuracy(self) -> torch.Tensor:
+        return self.correct.double() / self.valid.clamp_min(1).double()
+
+    @property
+    def conditional_accuracy(self) -> torch.Tensor:
+        """Step i correct given steps < i correct at that position: what predicts acceptance."""
+        return self.conditional_correct.double() / self.conditional_valid.clamp_min(1).double()
+
+
+def step_targets(batch: Batch, teacher: TeacherTargets, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What TTT `step` at position t is trained on: (teacher probs [B, T, draft_vocab], counted bool [B, T]).
+
+    The teacher is the target's distribution at t+step+1 (it predicts token t+step+2); a position
+    counts when that token is loss-masked and the target's argmax there is a draft token.
+    """
+    probs = _shift_left(teacher.probs, step + 1)
+    trained = _shift_left(batch.loss_mask.to(teacher.probs.device), step + 2, False)
+    return probs, trained & _shift_left(teacher.argmax_in_draft, step + 1, False)
+
+
+def ttt_loss(draft: Eagle3Draft, batch: Batch, steps: int = DEFAULT_TTT_STEPS, decay: float = DEFAULT_STEP_DECAY,
+             target_head: torch.Tensor | None = None, teacher: TeacherTargets | None = None) -> TTTResult:
+    """Unroll `steps` TTT steps on `batch` and return the weighted loss and per-step metrics."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    device = draft.d2t.device
+    batch = batch.to(device)
+    if teacher is None:
+        teacher = teacher_targets(batch, draft, target_head)
+    weights = tuple(decay ** i for i in range(steps))
+    step_losses, sample_losses = [], []
+    valid_n, correct_n, cvalid_n, ccorrect_n = [], [], [], []
+    chain_ok = torch.ones_like(batch.attention_mask, dtype=torch.bool)  # steps < i all counted and correct
+    for i, (_, logits) in enumerate(draft.steps(batch.aux_hidden, batch.input_ids, batch.attention_mask, steps)):
+        p, valid = step_targets(batch, teacher, i)
+        logp = F.log_softmax(logits.float(), dim=-1)
+        ce = torch.where(valid, -(p * logp).sum(-1), torch.zeros((), device=device))
+        per_sample_n = valid.sum(1)
+        sample_losses.append(ce.sum(1) / per_sample_n.clamp_min(1))
+        step_losses.append(ce.sum() / valid.sum().clamp_min(1))
+        with torch.no_grad():
+            right = (logits.argmax(-1) == p.argmax(-1)) & valid
+            cond = chain_ok & valid
+            valid_n.append(valid.sum())
+            correct_n.append(right.sum())
+            cvalid_n.append(cond.sum())
+            ccorrect_n.append((cond & right).sum())
+            chain_ok = cond & right
+    step_loss = torch.stack(step_losses)
+    return TTTResult(loss=(step_loss * torch.tensor(weights, device=device)).sum(), step_loss=step_loss,
+                     sample_loss=torch.stack(sample_losses, dim=1), valid=torch.stack(valid_n),
+                     correct=torch.stack(correct_n), conditional_valid=torch.stack(cvalid_n),
+                     conditional_correct=torch.stack(ccorrect_n), weights=weights)
