@@ -614,6 +614,11 @@ def step_targets(batch: Batch, teacher: TeacherTargets, step: int) -> tuple[torc
     return probs, trained & _shift_left(teacher.argmax_in_draft, step + 1, False)
 
 
+def step_valid_mask(batch: Batch, teacher: TeacherTargets, step: int) -> torch.Tensor:
+    """bool [B, T]: the positions TTT `step` counts (the second half of `step_targets`)."""
+    return step_targets(batch, teacher, step)[1]
+
+
 def ttt_loss(draft: Eagle3Draft, batch: Batch, steps: int = DEFAULT_TTT_STEPS, decay: float = DEFAULT_STEP_DECAY,
              target_head: torch.Tensor | None = None, teacher: TeacherTargets | None = None) -> TTTResult:
     """Unroll `steps` TTT steps on `batch` and return the weighted loss and per-step metrics."""

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from tasks.draft_model import (Batch, DraftConfig, Eagle3Draft, collate, load_target_embeddings, step_targets,
-                               target_head_weight, teacher_targets, ttt_attention, ttt_attention_mask, ttt_loss)
+                               step_valid_mask, target_head_weight, teacher_targets, ttt_attention,
+                               ttt_attention_mask, ttt_loss)
 from tasks.extract import Extracted, ExtractSettings, HFExtractor, default_aux_layer_ids
 
 TARGET_CACHE = Path(tempfile.gettempdir()) / "eagle3-test-targets"  # shared with the other test modules
@@ -268,7 +269,7 @@ def test_positions_whose_target_argmax_is_outside_the_draft_vocab_are_masked(tin
     t2 = teacher_targets(b2, draft, head)
     assert not t2.argmax_in_draft[0, u]
     torch.testing.assert_close(ttt_loss(draft, b2, steps=3, teacher=t2).loss, r.loss, rtol=0, atol=0)
-    expected = [int(step_targets(b, teacher, i)[1].sum()) for i in range(3)]
+    expected = [int(step_valid_mask(b, teacher, i).sum()) for i in range(3)]
     assert r.valid.tolist() == expected and all(e < t - 2 - i for i, e in enumerate(expected))
 
 
