@@ -182,6 +182,41 @@ def extract(
 
 
 @app.command()
+def train(
+    config: Path = ConfigOpt,
+    workspace: Optional[str] = WorkspaceOpt,
+    run_name: Optional[str] = typer.Option(None, "--run-name", help="The training run (same name: resume it)."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Stop after this many optimizer steps in total."),
+    online: bool = typer.Option(False, "--online", help="Compute hidden states on the fly (no shards, no disk)."),
+) -> None:
+    """Train the EAGLE-3 draft on the next round of shards; resumes from the run's last checkpoint.
+
+    Several processes: `torchrun --nproc-per-node N -m flows.cli train ...` (rank 0 runs the Prefect flow).
+    """
+    import os
+
+    from flows.train import dist_from_env, run_training, train as train_flow
+
+    section = _section(_config(config, workspace), "train", config)
+    update = {k: v for k, v in (("run_name", run_name), ("max_steps", max_steps)) if v is not None}
+    if online:
+        update["mode"] = "online"
+    section = section.model_copy(update=update)
+    if int(os.environ.get("RANK", "0")) != 0:  # torchrun workers: the same loop, no flow, no writes
+        import logging
+
+        store = LineageStore(Path(section.workspace) / "lineage.duckdb")
+        run_training(section, store, f"rank-{os.environ['RANK']}", dist_from_env(), logging.getLogger("eagle3.train"))
+        return
+    summary = _run_flow(train_flow, section)
+    rows = [{"what": k, "value": json.dumps(v) if isinstance(v, (list, dict)) else v}
+            for k, v in summary.__dict__.items()]
+    _print_dicts(rows, f"train run {summary.run_name}")
+    if summary.stopped_by == "no_data":
+        console.print("[yellow]no shards to train on[/yellow]: run `eagle3 extract` for the next round", highlight=False)
+
+
+@app.command()
 def sql(
     query: str = typer.Argument(..., help="Read-only SQL on the lineage store (views: record_outcomes, progress)."),
     config: Path = ConfigOpt,

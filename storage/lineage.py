@@ -348,6 +348,76 @@ MIGRATIONS: list[tuple[int, str, str]] = [
             SELECT * FROM discover_row UNION ALL SELECT * FROM regenerate_row UNION ALL SELECT * FROM extract_row;
         """,
     ),
+    (
+        4,
+        "train: training runs, metrics, rounds, checkpoints; view checkpoint_lineage",
+        """
+        CREATE TABLE train_runs (
+            run_name VARCHAR PRIMARY KEY,
+            mode VARCHAR NOT NULL,
+            extract_key VARCHAR NOT NULL,
+            vocab_id VARCHAR NOT NULL,
+            target VARCHAR NOT NULL,
+            target_revision VARCHAR NOT NULL,
+            draft_config JSON NOT NULL,
+            train_config JSON NOT NULL,
+            run_id VARCHAR NOT NULL,
+            created_at TIMESTAMPTZ NOT NULL
+        );
+        CREATE TABLE train_metrics (
+            run_name VARCHAR NOT NULL,
+            step INTEGER NOT NULL,
+            round INTEGER NOT NULL,
+            epoch INTEGER NOT NULL,
+            lr DOUBLE NOT NULL,
+            loss DOUBLE NOT NULL,
+            step_loss DOUBLE[] NOT NULL,
+            accuracy DOUBLE[] NOT NULL,
+            conditional_accuracy DOUBLE[] NOT NULL,
+            tokens BIGINT NOT NULL,
+            grad_norm DOUBLE,
+            run_id VARCHAR NOT NULL,
+            recorded_at TIMESTAMPTZ NOT NULL,
+            PRIMARY KEY (run_name, step)
+        );
+        CREATE TABLE train_rounds (
+            run_name VARCHAR NOT NULL,
+            round INTEGER NOT NULL,
+            shards VARCHAR[] NOT NULL,
+            samples BIGINT NOT NULL,
+            epochs INTEGER NOT NULL,
+            last_step INTEGER NOT NULL,
+            run_id VARCHAR NOT NULL,
+            completed_at TIMESTAMPTZ NOT NULL,
+            PRIMARY KEY (run_name, round)
+        );
+        CREATE TABLE checkpoints (
+            checkpoint VARCHAR PRIMARY KEY,
+            run_name VARCHAR NOT NULL,
+            step INTEGER NOT NULL,
+            format VARCHAR NOT NULL,
+            path VARCHAR NOT NULL,
+            sha256 VARCHAR NOT NULL,
+            rounds INTEGER NOT NULL,
+            target VARCHAR NOT NULL,
+            target_revision VARCHAR NOT NULL,
+            aux_layer_ids INTEGER[] NOT NULL,
+            vocab_id VARCHAR NOT NULL,
+            extract_key VARCHAR NOT NULL,
+            run_id VARCHAR NOT NULL,
+            created_at TIMESTAMPTZ NOT NULL
+        );
+        CREATE VIEW checkpoint_lineage AS
+            SELECT c.checkpoint, c.format, c.path, c.run_name, c.step, r.round, u.shard, s.sample_id,
+                   s.generation_id, g.prompt_id, rec.source, rec.record_key
+            FROM checkpoints c
+            JOIN train_rounds r ON r.run_name = c.run_name AND r.round < c.rounds
+            CROSS JOIN LATERAL (SELECT unnest(r.shards) AS shard) u
+            JOIN samples s ON s.shard = u.shard AND s.outcome = 'extracted'
+            JOIN generations g ON g.generation_id = s.generation_id
+            LEFT JOIN records rec ON rec.prompt_id = g.prompt_id AND rec.outcome = 'kept';
+        """,
+    ),
 ]
 
 
@@ -850,6 +920,86 @@ class LineageStore:
             "reasons": reasons,
         }
 
+    # ------------------------------------------------------------ train
+
+    def extract_settings(self, extract_key: str | None) -> dict | None:
+        """One extraction's settings (default: the latest registered), with its vocab file."""
+        if not self.path.exists():
+            return None
+        where, args = ("WHERE e.extract_key = ?", [extract_key]) if extract_key else ("", [])
+        with self.read() as con:
+            res = con.execute(
+                "SELECT e.extract_key, e.vocab_id, e.settings, v.file AS vocab_file, v.sha256 AS vocab_sha256 "
+                f"FROM extract_settings e JOIN draft_vocabs v USING (vocab_id) {where} "
+                "ORDER BY e.created_at DESC LIMIT 1", args)
+            cols = [d[0] for d in res.description]
+            row = res.fetchone()
+        if row is None:
+            return None
+        out = dict(zip(cols, row))
+        out["settings"] = json.loads(out["settings"])
+        return out
+
+    def round_shards(self, extract_key: str, consumer: str, exclude: list[str]) -> list[dict]:
+        """Shards a training round takes: written ones, plus ones this consumer read but did not finish."""
+        with self.read() as con:
+            res = con.execute(
+                "SELECT shard, sha256, samples, tokens FROM shards WHERE extract_key = ? "
+                "AND (state = 'written' OR (state = 'consumed' AND consumed_by = ?)) "
+                "AND shard NOT IN (SELECT unnest(?::VARCHAR[])) ORDER BY created_at, shard",
+                [extract_key, consumer, exclude])
+            cols = [d[0] for d in res.description]
+            return [dict(zip(cols, r)) for r in res.fetchall()]
+
+    def shard_samples(self, shards: list[str]) -> list[tuple[str, int, int]]:
+        """(shard, slot, tokens) of every extracted sample in these shards."""
+        with self.read() as con:
+            return con.execute(
+                "SELECT shard, shard_index, tokens FROM samples WHERE outcome = 'extracted' "
+                "AND shard IN (SELECT unnest(?::VARCHAR[])) ORDER BY shard, shard_index", [shards]).fetchall()
+
+    def register_train_run(self, run_id: str, row: dict) -> dict:
+        """The training run's identity; an existing one with the same name is returned as stored."""
+        with self.write() as con:
+            con.execute(
+                "INSERT INTO train_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                [row["run_name"], row["mode"], row["extract_key"], row["vocab_id"], row["target"], row["target_revision"],
+                 json.dumps(row["draft_config"], sort_keys=True), json.dumps(row["train_config"], sort_keys=True),
+                 run_id, _now()])
+            res = con.execute("SELECT * FROM train_runs WHERE run_name = ?", [row["run_name"]])
+            cols = [d[0] for d in res.description]
+            return dict(zip(cols, res.fetchone()))
+
+    def write_train_metrics(self, run_id: str, run_name: str, rows: list[dict]) -> None:
+        """Metrics rows keyed by (run, step): steps redone after a resume replace their first record."""
+        if not rows:
+            return
+        now = _now()
+        with self.write() as con:
+            con.register("m_in", pa.Table.from_pylist([{**r, "run_name": run_name, "run_id": run_id, "recorded_at": now}
+                                                       for r in rows], schema=_METRIC_SCHEMA))
+            con.execute("INSERT OR REPLACE INTO train_metrics SELECT * FROM m_in")
+
+    def train_metrics(self, run_name: str) -> list[dict]:
+        with self.read() as con:
+            res = con.execute("SELECT * FROM train_metrics WHERE run_name = ? ORDER BY step", [run_name])
+            cols = [d[0] for d in res.description]
+            return [dict(zip(cols, r)) for r in res.fetchall()]
+
+    def write_train_round(self, run_id: str, run_name: str, round_index: int, shards: list[str], samples: int,
+                          epochs: int, last_step: int) -> None:
+        with self.write() as con:
+            con.execute("INSERT INTO train_rounds VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                        [run_name, round_index, shards, samples, epochs, last_step, run_id, _now()])
+
+    def register_checkpoint(self, run_id: str, row: dict) -> None:
+        with self.write() as con:
+            con.execute(
+                "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [row["checkpoint"], row["run_name"], row["step"], row["format"], row["path"], row["sha256"], row["rounds"],
+                 row["target"], row["target_revision"], row["aux_layer_ids"], row["vocab_id"], row["extract_key"],
+                 run_id, _now()])
+
     # ------------------------------------------------------------ reports and exports
 
     def outcome_counts(self, run_id: str | None = None) -> dict[str, int]:
@@ -959,4 +1109,20 @@ _SAMPLE_SCHEMA = pa.schema([
     ("shard_index", pa.int32()),
     ("run_id", pa.string()),
     ("created_at", pa.timestamp("us", tz="UTC")),
+])
+
+_METRIC_SCHEMA = pa.schema([
+    ("run_name", pa.string()),
+    ("step", pa.int32()),
+    ("round", pa.int32()),
+    ("epoch", pa.int32()),
+    ("lr", pa.float64()),
+    ("loss", pa.float64()),
+    ("step_loss", pa.list_(pa.float64())),
+    ("accuracy", pa.list_(pa.float64())),
+    ("conditional_accuracy", pa.list_(pa.float64())),
+    ("tokens", pa.int64()),
+    ("grad_norm", pa.float64()),
+    ("run_id", pa.string()),
+    ("recorded_at", pa.timestamp("us", tz="UTC")),
 ])

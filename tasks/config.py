@@ -256,7 +256,44 @@ class ExtractConfig(Strict):
     limit: int | None = Field(default=None, ge=1, description="At most this many samples this run.")
 
 
-STAGES = ("discover", "regenerate", "extract")
+class TrainConfig(Strict):
+    """Parameters of the `train` flow: the EAGLE-3 draft on extracted shards (or online), in rounds."""
+
+    workspace: str = "runs/demo"
+    run_name: str = Field(default="draft", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+                          description="Names the training run; rerunning with the same name resumes it.")
+    mode: Literal["offline", "online"] = Field(
+        default="offline", description="offline: read extracted shards; online: compute states on the fly, no disk.")
+    extract_key: str | None = Field(default=None, description="Which extraction's shards (default: the latest).")
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    ttt_steps: int = Field(default=7, ge=1, le=16)
+    step_decay: float = Field(default=0.8, gt=0, le=1)
+    epochs: int = Field(default=1, ge=1, description="Passes over each round's shards.")
+    batch_tokens: int = Field(default=8192, ge=16, description="Padded tokens per micro-batch.")
+    grad_accum: int = Field(default=1, ge=1, description="Micro-batches per optimizer step (per process).")
+    lr: float = Field(default=1e-4, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(default=0, ge=0)
+    total_steps: int | None = Field(default=None, ge=1, description="Cosine horizon (required for cosine).")
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    grad_clip: float = Field(default=0.5, gt=0)
+    precision: Literal["fp32", "bf16"] = "fp32"
+    seed: int = 0
+    checkpoint_every: int = Field(default=200, ge=1, description="Optimizer steps between checkpoints.")
+    keep_checkpoints: int = Field(default=2, ge=1)
+    log_every: int = Field(default=10, ge=1)
+    delete_consumed: bool = Field(default=True, description="Delete a round's shards once trained on (frees the budget).")
+    max_steps: int | None = Field(default=None, ge=1, description="Stop after this many optimizer steps in total.")
+
+    @model_validator(mode="after")
+    def _horizon(self) -> "TrainConfig":
+        if self.schedule == "cosine" and self.total_steps is None:
+            raise ValueError("schedule cosine needs total_steps (the horizon it decays over)")
+        return self
+
+
+STAGES = ("discover", "regenerate", "extract", "train")
 
 
 class PipelineConfig(Strict):
@@ -266,6 +303,7 @@ class PipelineConfig(Strict):
     discover: DiscoverConfig | None = None
     regenerate: RegenerateConfig | None = None
     extract: ExtractConfig | None = None
+    train: TrainConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -275,6 +313,10 @@ class PipelineConfig(Strict):
             for stage in STAGES:
                 if isinstance(data.get(stage), dict):
                     data[stage].setdefault("workspace", data.get("workspace", "runs/demo"))
+            # training runs the target the shards were extracted from, unless told otherwise
+            extract, train = data.get("extract"), data.get("train")
+            if isinstance(extract, dict) and isinstance(train, dict) and "target" in extract:
+                train.setdefault("target", extract["target"])
         return data
 
 

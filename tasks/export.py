@@ -263,7 +263,7 @@ def _check_exportable(draft: Eagle3Draft) -> None:
 def _write(folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
     from safetensors.torch import save_file
 
-    from tasks.target import write_folder_atomically
+    from storage.datasets import write_folder_atomically
 
     folder = Path(folder)
     if folder.exists() and any(folder.iterdir()):

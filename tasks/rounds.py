@@ -140,15 +140,15 @@ def read_shard(shards: ShardStore, shard: str, sha256: str) -> tuple[list[Extrac
     return [record_from_tensors(t, i) for i, t in enumerate(parts)], ids, meta
 
 
-def delete_consumed_shards(store: LineageStore, shards: ShardStore) -> list[str]:
-    """Delete every shard a training run has consumed, freeing its bytes for the next round.
+def delete_consumed_shards(store: LineageStore, shards: ShardStore, names: list[str] | None = None) -> list[str]:
+    """Delete the consumed shards (all, or those of `names`), freeing their bytes for the next round.
 
     The file goes first, then the lineage state: a crash in between leaves a consumed shard whose
     file is gone, and the next call just records the deletion.
     """
     deleted = []
     for name, row in store.live_shards().items():
-        if row["state"] == "consumed":
+        if row["state"] == "consumed" and (names is None or name in names):
             shards.delete(name)
             store.mark_shard_deleted(name)
             deleted.append(name)

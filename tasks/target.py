@@ -15,17 +15,13 @@ import importlib.util
 import inspect
 import json
 import os
-import re
-import shutil
-import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from storage.datasets import file_sha256
+from storage.datasets import file_sha256, write_folder_atomically
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -148,50 +144,6 @@ def _load_gguf(gguf: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrai
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     return model.eval(), tokenizer
-
-
-def write_folder_atomically(folder: Path, write: Callable[[Path], None]) -> bool:
-    """Fill a temporary sibling of `folder` with `write`, then rename it into place.
-
-    Returns False when another process finished the same folder first (its folder is kept and
-    ours discarded: both are conversions of the same file). On any error nothing is left behind.
-    """
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    _remove_orphaned_temps(folder)
-    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        write(tmp)
-        try:
-            os.rename(tmp, folder)  # atomic on one filesystem; fails if folder exists and is non-empty
-        except OSError:
-            if folder.is_dir():
-                shutil.rmtree(tmp, ignore_errors=True)
-                return False
-            raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return True
-
-
-def _remove_orphaned_temps(folder: Path) -> None:
-    """Delete temporary folders of conversions whose process is gone (killed mid-write): ~260 MB each."""
-    pattern = re.compile(rf"^\.{re.escape(folder.name)}\.tmp-(\d+)-[0-9a-f]+$")
-    for entry in folder.parent.iterdir():
-        m = pattern.match(entry.name)
-        if m and not _pid_alive(int(m.group(1))):
-            shutil.rmtree(entry, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
 
 
 def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:

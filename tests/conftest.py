@@ -53,3 +53,11 @@ def workspace(tmp_path: Path) -> Path:
     ws = tmp_path / "ws"
     ws.mkdir()
     return ws
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory) -> Path:
+    """A tiny random Llama target folder (fast stage tests), built once per session."""
+    from helpers import make_tiny_target
+
+    return make_tiny_target(tmp_path_factory.mktemp("tiny-target"))

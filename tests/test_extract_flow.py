@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,67 +20,14 @@ import torch
 import yaml
 
 from flows.extract import extract
-from flows.regenerate import regenerate
 from storage.lineage import LineageStore
 from storage.shards import CorruptShard, ShardStore
-from tasks.config import ExtractConfig, RegenerateConfig
 from tasks.extract import HFExtractor, aux_hidden_float
 from tasks.rounds import delete_consumed_shards, read_shard
 
+from helpers import conversations, extract_config, import_generations
+
 ROOT = Path(__file__).resolve().parent.parent
-TARGET_CACHE = Path(tempfile.gettempdir()) / "eagle3-test-targets"  # shared with the other target tests
-WORDS = ("alpha beta gamma delta river mountain quantum python kernel matrix garden violin copper orbit "
-         "lantern harbor meadow cipher saddle falcon ember glacier tundra pixel vector lemon comet").split()
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory) -> Path:
-    """An 8-layer random Llama (H=64) with SmolLM2's tokenizer, saved as safetensors."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tasks.target import load_target
-
-    _, tokenizer = load_target(cache_dir=TARGET_CACHE)
-    folder = tmp_path_factory.mktemp("tiny-target")
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128, vocab_size=len(tokenizer), tie_word_embeddings=True,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def _text(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(WORDS) + str(rng.randrange(1000)) for _ in range(n))
-
-
-def conversations(n: int, seed: int = 0) -> list[dict]:
-    """Distinct multi-turn chats of varied length (distinct enough to survive near-dedupe)."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        msgs = []
-        for _ in range(rng.choice((1, 1, 2, 3))):
-            msgs.append({"role": "user", "content": f"q{i} " + _text(rng, rng.randrange(5, 40))})
-            msgs.append({"role": "assistant", "content": _text(rng, rng.randrange(5, 120))})
-        out.append({"messages": msgs})
-    return out
-
-
-def import_generations(workspace: Path, tmp_path: Path, convs: list[dict]) -> int:
-    path = tmp_path / f"convs-{len(convs)}.jsonl"
-    path.write_text("".join(json.dumps(c) + "\n" for c in convs))
-    cfg = RegenerateConfig(workspace=str(workspace), target_model="tiny", imports=[{"name": "seed", "path": str(path)}])
-    return regenerate(cfg).imported
-
-
-def extract_config(workspace: Path, target: Path | None, **kw) -> ExtractConfig:
-    base = {"workspace": str(workspace), "max_length": 256, "draft_vocab_size": 512, "shard_bytes": 200_000,
-            "disk_budget_bytes": 50_000_000, "max_batch_tokens": 1024}
-    if target is not None:
-        base["target"] = {"model_path": str(target), "dtype": "float32", "device": "cpu"}
-    return ExtractConfig.model_validate({**base, **kw})
 
 
 def sample_rows(store: LineageStore) -> list[tuple]:

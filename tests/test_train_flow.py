@@ -1,0 +1,165 @@
+"""The train flow on a real Prefect API and DuckDB file, with a tiny random target: rounds consumed
+and deleted, exports with lineage, kill -9 resume equals an uninterrupted run, two gloo processes
+equal one process, online mode without disk."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from flows.extract import extract
+from flows.train import train
+from storage.lineage import LineageStore
+from tasks.config import TrainConfig
+from tasks.export import check_sglang, check_speculators
+from tasks.train import MODEL_FILE, list_checkpoints
+
+from helpers import conversations, extract_config, import_generations
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def train_config(workspace: Path, target: Path, **kw) -> TrainConfig:
+    base = {"workspace": str(workspace), "run_name": "t", "target": {"model_path": str(target), "dtype": "float32",
+            "device": "cpu"}, "ttt_steps": 3, "batch_tokens": 1024, "lr": 3e-3, "epochs": 2, "checkpoint_every": 3,
+            "log_every": 1}
+    return TrainConfig.model_validate({**base, **kw})
+
+
+@pytest.fixture
+def extracted(prefect_api, tmp_path, workspace, tiny_target) -> Path:
+    import_generations(workspace, tmp_path, conversations(24, seed=11))
+    s = extract(extract_config(workspace, tiny_target, draft_vocab_size=256, shard_bytes=150_000))
+    assert s.extracted == 24 and s.shards_written >= 3
+    return workspace
+
+
+def test_a_round_learns_is_consumed_deleted_exported_and_traceable(extracted, tmp_path, tiny_target):
+    ws = extracted
+    store = LineageStore(ws / "lineage.duckdb")
+    s = train(train_config(ws, tiny_target, epochs=8))
+    assert s.stopped_by == "done" and s.rounds_done == 1 and s.resumed_from_step is None
+    metrics = store.train_metrics("t")
+    assert len(metrics) == s.step and [m["step"] for m in metrics] == list(range(1, s.step + 1))
+    first, last = metrics[0], metrics[-1]
+    assert last["loss"] < 0.8 * first["loss"]
+    assert last["accuracy"][0] > 20 / 256  # well above chance over the 256-token draft vocab
+    assert 0 <= min(last["conditional_accuracy"]) and max(last["conditional_accuracy"]) <= 1
+    _, states = store.query_readonly("SELECT DISTINCT state, consumed_by FROM shards")
+    assert states == [("deleted", "t")] and not list((ws / "shards").iterdir())
+    assert not check_sglang(s.exports["sglang"]) and not check_speculators(s.exports["speculators"])
+    assert Path(s.curves_png).stat().st_size > 1000
+    # every exported checkpoint traces back to the samples, generations, prompts and source records
+    _, lineage = store.query_readonly(
+        "SELECT format, count(DISTINCT sample_id), count(DISTINCT record_key) FROM checkpoint_lineage GROUP BY 1 ORDER BY 1")
+    assert lineage == [("sglang", 24, 24), ("speculators", 24, 24)]
+
+    assert train(train_config(ws, tiny_target)).stopped_by == "no_data"  # nothing new to train on
+    # the next round: more generations, extracted, then the same run continues from its checkpoint
+    import_generations(ws, tmp_path, conversations(8, seed=12), name="more")
+    assert extract(extract_config(ws, tiny_target, draft_vocab_size=256, shard_bytes=150_000)).extracted == 8
+    again = train(train_config(ws, tiny_target, epochs=8))
+    assert again.resumed_from_step == s.step and again.rounds_done == 2 and again.step > s.step
+    _, rounds = store.query_readonly("SELECT round, samples FROM train_rounds ORDER BY round")
+    assert rounds == [(0, 24), (1, 8)]
+
+
+def _cli_config(ws: Path, cfg: TrainConfig, path: Path) -> Path:
+    data = cfg.model_dump(mode="json")
+    data.pop("workspace")
+    path.write_text(yaml.safe_dump({"workspace": str(ws), "train": data}))
+    return path
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+
+def _final_weights(ws: Path) -> tuple[str, dict]:
+    last = list_checkpoints(ws / "checkpoints" / "t")[-1]
+    return last.name, load_file(last / MODEL_FILE)
+
+
+def test_kill_9_then_resume_equals_an_uninterrupted_run(extracted, tmp_path, tiny_target):
+    ws_a, ws_b = extracted, tmp_path / "copy"
+    shutil.copytree(ws_a, ws_b)
+    cfg = train_config(ws_a, tiny_target, epochs=4, checkpoint_every=2)
+    cmd = [sys.executable, "-m", "flows.cli", "train", "-c"]
+    a = subprocess.run(cmd + [str(_cli_config(ws_a, cfg, tmp_path / "a.yaml"))], env=_env(), cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert a.returncode == 0, a.stderr[-3000:]
+
+    b_cfg = _cli_config(ws_b, cfg.model_copy(update={"workspace": str(ws_b)}), tmp_path / "b.yaml")
+    ckpts = ws_b / "checkpoints" / "t"
+    kills = 0
+    for wanted in (1, 3):  # kill after the first checkpoint, then again after a later one
+        proc = subprocess.Popen(cmd + [str(b_cfg)], env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            if len(list(ckpts.glob("step-*"))) and int(max(ckpts.glob("step-*")).name[5:]) >= 2 * wanted:
+                break
+            time.sleep(0.02)
+        time.sleep(0.3)  # mid-step, between checkpoints
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        proc.wait(timeout=30)
+    assert kills >= 1
+    b = subprocess.run(cmd + [str(b_cfg)], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert b.returncode == 0, b.stderr[-3000:]
+    name_a, wa = _final_weights(ws_a)
+    name_b, wb = _final_weights(ws_b)
+    assert name_a == name_b and wa.keys() == wb.keys()
+    for k in wa:
+        assert wa[k].equal(wb[k]), k  # bitwise: same batches, same order, same optimizer state
+    sa, sb = (LineageStore(w / "lineage.duckdb") for w in (ws_a, ws_b))
+    ma, mb = sa.train_metrics("t"), sb.train_metrics("t")
+    assert [m["loss"] for m in ma] == [m["loss"] for m in mb]
+
+
+def test_two_gloo_processes_match_one_process_accumulating(extracted, tmp_path, tiny_target):
+    ws_one, ws_two = extracted, tmp_path / "ddp"
+    shutil.copytree(ws_one, ws_two)
+    one = _cli_config(ws_one, train_config(ws_one, tiny_target, grad_accum=2, epochs=2), tmp_path / "one.yaml")
+    two = _cli_config(ws_two, train_config(ws_two, tiny_target, grad_accum=1, epochs=2), tmp_path / "two.yaml")
+    r1 = subprocess.run([sys.executable, "-m", "flows.cli", "train", "-c", str(one)], env=_env(), cwd=ROOT,
+                        capture_output=True, text=True, timeout=600)
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    r2 = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                         str(_free_port()), "-m", "flows.cli", "train", "-c", str(two)], env=_env(), cwd=ROOT,
+                        capture_output=True, text=True, timeout=600)
+    assert r2.returncode == 0, (r2.stdout + r2.stderr)[-4000:]
+    n1, w1 = _final_weights(ws_one)
+    n2, w2 = _final_weights(ws_two)
+    assert n1 == n2
+    for k in w1:
+        assert (w1[k].double() - w2[k].double()).abs().max() < 1e-5, k  # same update; only the summation order differs
+    _, by = LineageStore(ws_two / "lineage.duckdb").query_readonly("SELECT count(*) FROM runs WHERE flow = 'train'")
+    assert by == [(1,)]  # one flow run (rank 0); the other rank writes nothing
+
+
+def _free_port() -> int:
+    from serving.launch import free_port
+
+    return free_port()
+
+
+def test_online_mode_trains_without_writing_shards(prefect_api, tmp_path, workspace, tiny_target):
+    import_generations(workspace, tmp_path, conversations(10, seed=13))
+    # a budget too small for any shard: extract only builds and registers the draft vocab
+    s = extract(extract_config(workspace, tiny_target, draft_vocab_size=256, disk_budget_bytes=1))
+    assert s.stopped_by == "budget" and s.shards_written == 0
+    t = train(train_config(workspace, tiny_target, mode="online", epochs=2))
+    assert t.mode == "online" and t.step > 0 and t.rounds_done == 1 and t.shards_trained == 0
+    assert not list((workspace / "shards").iterdir())
+    assert not check_sglang(t.exports["sglang"])
