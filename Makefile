@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml
 demo: install
 	$(VENV)/bin/eagle3 discover   --config configs/demo.yaml --workspace $(WORKSPACE)
 	$(VENV)/bin/eagle3 regenerate --config configs/demo.yaml --workspace $(WORKSPACE)
+	$(VENV)/bin/eagle3 extract    --config configs/demo.yaml --workspace $(WORKSPACE)
+	$(VENV)/bin/eagle3 train      --config configs/demo.yaml --workspace $(WORKSPACE)
 	$(VENV)/bin/eagle3 status     --config configs/demo.yaml --workspace $(WORKSPACE)
 
 test: install
@@ -27,6 +29,8 @@ test: install
 bench: install
 	$(PY) benchmarks/dedupe.py
 	$(PY) benchmarks/regenerate_client.py
+	$(PY) benchmarks/extract.py
+	$(PY) benchmarks/train.py
 
 clean:
 	rm -rf runs .pytest_cache
