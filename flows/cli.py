@@ -217,6 +217,57 @@ def train(
 
 
 @app.command()
+def doctor(
+    draft_dir: Path = typer.Argument(..., help="An exported draft folder (SGLang or speculators format)."),
+    target: Optional[str] = typer.Option(None, "--target", help="Target model folder or config.json "
+                                         "(default: the embedded SmolLM2)."),
+    engine: str = typer.Option("sglang", "--engine", help="sglang or vllm."),
+    launch: Optional[str] = typer.Option(None, "--launch", help="The server launch command to check too."),
+    sglang_version: Optional[str] = typer.Option(None, "--sglang-version", help="before-pr25454 or since-pr25454 "
+                                                 "(default: the draft must serve both)."),
+    fix: bool = typer.Option(False, "--fix", help="Write a corrected copy where the fix is mechanical."),
+    fix_dir: Optional[Path] = typer.Option(None, "--fix-dir", help="Where --fix writes (default DRAFT_DIR-fixed)."),
+    config: Path = ConfigOpt,
+    workspace: Optional[str] = WorkspaceOpt,
+) -> None:
+    """Check a draft against the serving contract; exit 1 with one line per failed check."""
+    from serving.doctor import expected_aux_layer_ids_from_lineage, run_doctor
+
+    if engine not in ("sglang", "vllm"):
+        err.print(f"[red]--engine must be sglang or vllm, not {engine!r}[/red]", highlight=False)
+        raise typer.Exit(2)
+    if target is None:
+        from tasks.target import load_target, smollm2_gguf_path, target_cache_folder
+
+        load_target()  # converts the GGUF once; its folder holds the config the doctor reads
+        target = str(target_cache_folder(smollm2_gguf_path()))
+    expected = None
+    ws = Path(workspace) if workspace is not None else Path(_config(config, None).workspace) if config.exists() else None
+    if ws is not None and (ws / "lineage.duckdb").exists():
+        try:
+            expected = expected_aux_layer_ids_from_lineage(ws / "lineage.duckdb", draft_dir)
+        except ValueError as e:
+            err.print(f"[red]lineage: {e}[/red]", highlight=False)
+            raise typer.Exit(1) from None
+    try:
+        report = run_doctor(draft_dir, target, engine=engine, launch=launch, expected_aux_layer_ids=expected,
+                            sglang_version=sglang_version, fix=fix, fix_dir=fix_dir)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        err.print(f"[red]{e}[/red]", highlight=False)
+        raise typer.Exit(2) from None
+    for line in report.warning_lines():
+        console.print(f"[yellow]{line}[/yellow]", highlight=False, soft_wrap=True)
+    if report.fixed_dir is not None:
+        console.print(f"corrected copy: {report.fixed_dir} ({'passes' if report.fixed.passed else 'still fails'})",
+                      highlight=False)
+    if not report.passed:
+        for line in report.failure_lines():
+            err.print(line, highlight=False, soft_wrap=True)  # one line per failed check, never wrapped
+        raise typer.Exit(1)
+    console.print(report.summary_line(), highlight=False, soft_wrap=True)
+
+
+@app.command()
 def sql(
     query: str = typer.Argument(..., help="Read-only SQL on the lineage store (views: record_outcomes, progress)."),
     config: Path = ConfigOpt,

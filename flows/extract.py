@@ -28,7 +28,7 @@ from flows.runinfo import run_metadata
 from storage.datasets import file_sha256, read_generation_rows
 from storage.lineage import LineageError, LineageStore
 from storage.shards import ShardStore
-from tasks.chat import Sample, Tokenised, tokenise_generation
+from tasks.chat import Sample, Tokenised, tokenise_rows
 from tasks.config import ExtractConfig, config_hash
 from tasks.extract import Extracted, ExtractSettings, Extractor, build_extractor, default_aux_layer_ids
 from tasks.rounds import extract_key, pack_results, plan_shard, sample_id, tokenize_key
@@ -84,14 +84,8 @@ class StageContext:
     def tokenise(self, items: list[tuple[str, str, str]]) -> list[Tokenised]:
         """Samples of (generation_id, params_key, file) items, in order."""
         rows = read_generation_rows(self.generations_dir, [(g, f"{p}/{f}") for g, p, f in items])
-        cfg = self.config
-        out = []
-        for row in rows:
-            stored = (row["input_ids"], row["loss_mask"]) if row["input_ids"] else None
-            last_turn = row["turns"][-1] if row["turns"] else None
-            out.append(tokenise_generation(self.tokenizer, row["messages"], last_turn, cfg.max_length, cfg.overflow,
-                                           stored=stored, chat_template=self.identity.chat_template))
-        return out
+        return tokenise_rows(self.tokenizer, rows, self.config.max_length, self.config.overflow,
+                             self.identity.chat_template)
 
 
 def _load_target(config: ExtractConfig):
@@ -196,7 +190,8 @@ def _extract(config: ExtractConfig, store: LineageStore, ws: Path, summary: Extr
     store.register_extract_settings(summary.run_id, ekey, vocab_id, {
         "tokenize_key": tkey, "target": identity.name, "target_revision": identity.revision,
         "template_id": identity.template_id, "hidden_size": hidden_size, "num_layers": num_layers,
-        "max_length": config.max_length, "overflow": config.overflow, **asdict(settings)})
+        "max_length": config.max_length, "overflow": config.overflow,
+        "generation_params_keys": config.generation_params_keys, **asdict(settings)})
 
     shards = ShardStore(ws / "shards", config.disk_budget_bytes)
     live = store.live_shards()
@@ -268,7 +263,7 @@ def _rounds(ctx: StageContext, pending: list[tuple[str, str, str]], ekey: str, s
                     break  # a fuller shard is possible once the next chunk is tokenised
                 taken, queue = queue[:plan.count], queue[plan.count:]
                 seq += 1
-                written, n_tokens = _write_shard(ctx, taken, ekey, settings, extractor, shards, seq, no_shard_rows, summary)
+                _, n_tokens = _write_shard(ctx, taken, ekey, settings, extractor, shards, seq, no_shard_rows, summary)
                 no_shard_rows = []
                 summary.peak_disk_bytes = max(summary.peak_disk_bytes, shards.used_bytes())
                 done += len(taken)

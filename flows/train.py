@@ -30,7 +30,7 @@ from flows.runinfo import run_metadata
 from storage.datasets import file_sha256, read_generation_rows
 from storage.lineage import LineageError, LineageStore
 from storage.shards import ShardStore
-from tasks.chat import Sample, tokenise_generation
+from tasks.chat import Sample, tokenise_rows
 from tasks.config import TrainConfig, config_hash
 from tasks.draft_model import DraftConfig, Eagle3Draft, collate, load_target_embeddings, target_head_weight
 from tasks.export import export_sglang, export_speculators
@@ -264,16 +264,11 @@ def run_training(config: TrainConfig, store: LineageStore, run_id: str, dist: Di
 
 
 def _online_samples(store: LineageStore, ws: Path, tokenizer, template: str, settings: dict) -> list[Sample]:
-    items = store.generations_to_tokenise(None)
+    """Every generation's sample, tokenised as the extraction's settings say (online mode's round)."""
+    items = store.generations_to_tokenise(settings.get("generation_params_keys"))
     rows = read_generation_rows(ws / "data" / "generations", [(g, f"{p}/{f}") for g, p, f in items])
-    out = []
-    for row in rows:
-        stored = (row["input_ids"], row["loss_mask"]) if row["input_ids"] else None
-        t = tokenise_generation(tokenizer, row["messages"], row["turns"][-1] if row["turns"] else None,
-                                settings["max_length"], settings["overflow"], stored=stored, chat_template=template)
-        if isinstance(t.result, Sample):
-            out.append(t.result)
-    return out
+    tokenised = tokenise_rows(tokenizer, rows, settings["max_length"], settings["overflow"], template)
+    return [t.result for t in tokenised if isinstance(t.result, Sample)]
 
 
 def _train_round(config: TrainConfig, draft: Eagle3Draft, optimizer, schedule: Schedule, target_head: torch.Tensor,

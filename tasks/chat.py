@@ -295,3 +295,15 @@ def tokenise_generation(tokenizer: PreTrainedTokenizerBase, messages: Sequence[M
     prompt_mask = full.loss_mask[:n] if full.input_ids[:n] == list(prompt_ids) else [0] * n
     sample = Sample(ids, prompt_mask + [1] * (len(ids) - n))
     return Tokenised(fit_length(sample, max_length, overflow), "mismatch", mismatch, "server")
+
+
+def tokenise_rows(tokenizer: PreTrainedTokenizerBase, rows: Iterable[Mapping[str, Any]], max_length: int,
+                  overflow: Overflow, chat_template: str | None = None) -> list[Tokenised]:
+    """`tokenise_generation` over stored generation rows (messages, turns, optional input_ids/loss_mask)."""
+    out = []
+    for row in rows:
+        stored = (row["input_ids"], row["loss_mask"]) if row.get("input_ids") else None
+        last_turn = row["turns"][-1] if row.get("turns") else None
+        out.append(tokenise_generation(tokenizer, row["messages"], last_turn, max_length, overflow, stored=stored,
+                                       chat_template=chat_template))
+    return out

@@ -63,6 +63,20 @@ def test_a_round_learns_is_consumed_deleted_exported_and_traceable(extracted, tm
         "SELECT format, count(DISTINCT sample_id), count(DISTINCT record_key) FROM checkpoint_lineage GROUP BY 1 ORDER BY 1")
     assert lineage == [("sglang", 24, 24), ("speculators", 24, 24)]
 
+    # the doctor passes the export, with the trained layers taken from lineage, and refuses the EAGLE flag
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    draft = s.exports["sglang"]
+    ok = CliRunner().invoke(app, ["doctor", draft, "--target", str(tiny_target), "-w", str(ws)])
+    assert ok.exit_code == 0 and ok.stdout.startswith("PASS sglang") and "[1, 3, 4]" in ok.stdout
+    launch = f"python -m sglang.launch_server --model-path {tiny_target} --speculative-algorithm EAGLE " \
+             f"--speculative-draft-model-path {draft} --speculative-num-steps 3 --speculative-eagle-topk 1 " \
+             "--speculative-num-draft-tokens 4"
+    bad = CliRunner().invoke(app, ["doctor", draft, "--target", str(tiny_target), "-w", str(ws), "--launch", launch])
+    assert bad.exit_code == 1 and "launch_algorithm: --speculative-algorithm EAGLE" in bad.output
+
     assert train(train_config(ws, tiny_target)).stopped_by == "no_data"  # nothing new to train on
     # the next round: more generations, extracted, then the same run continues from its checkpoint
     import_generations(ws, tmp_path, conversations(8, seed=12), name="more")
