@@ -418,6 +418,32 @@ MIGRATIONS: list[tuple[int, str, str]] = [
             LEFT JOIN records rec ON rec.prompt_id = g.prompt_id AND rec.outcome = 'kept';
         """,
     ),
+    (
+        5,
+        "benchmark: results per checkpoint, drafter, domain and config",
+        """
+        CREATE TABLE benchmark_results (
+            bench_id VARCHAR NOT NULL,
+            checkpoint VARCHAR,
+            kind VARCHAR NOT NULL,
+            config_label VARCHAR NOT NULL,
+            drafter VARCHAR NOT NULL,
+            domain VARCHAR NOT NULL,
+            concurrency INTEGER,
+            requests INTEGER NOT NULL,
+            completion_tokens BIGINT NOT NULL,
+            verify_rounds BIGINT,
+            acceptance_token_weighted DOUBLE,
+            acceptance_request_mean DOUBLE,
+            acceptance_by_position DOUBLE[],
+            output_tok_s DOUBLE,
+            ttft_p50_s DOUBLE,
+            details JSON,
+            run_id VARCHAR NOT NULL,
+            created_at TIMESTAMPTZ NOT NULL
+        );
+        """,
+    ),
 ]
 
 
@@ -1000,6 +1026,19 @@ class LineageStore:
                  row["target"], row["target_revision"], row["aux_layer_ids"], row["vocab_id"], row["extract_key"],
                  run_id, _now()])
 
+    # ------------------------------------------------------------ benchmark
+
+    def write_benchmark_results(self, run_id: str, rows: list[dict]) -> None:
+        """One benchmark's rows (per config, drafter, domain), in one transaction."""
+        if not rows:
+            return
+        now = _now()
+        with self.write() as con:
+            con.register("b_in", pa.Table.from_pylist(
+                [{**r, "details": json.dumps(r.get("details") or {}, default=str), "run_id": run_id, "created_at": now}
+                 for r in rows], schema=_BENCH_SCHEMA))
+            con.execute("INSERT INTO benchmark_results SELECT * FROM b_in")
+
     # ------------------------------------------------------------ reports and exports
 
     def outcome_counts(self, run_id: str | None = None) -> dict[str, int]:
@@ -1125,4 +1164,25 @@ _METRIC_SCHEMA = pa.schema([
     ("grad_norm", pa.float64()),
     ("run_id", pa.string()),
     ("recorded_at", pa.timestamp("us", tz="UTC")),
+])
+
+_BENCH_SCHEMA = pa.schema([
+    ("bench_id", pa.string()),
+    ("checkpoint", pa.string()),
+    ("kind", pa.string()),
+    ("config_label", pa.string()),
+    ("drafter", pa.string()),
+    ("domain", pa.string()),
+    ("concurrency", pa.int32()),
+    ("requests", pa.int32()),
+    ("completion_tokens", pa.int64()),
+    ("verify_rounds", pa.int64()),
+    ("acceptance_token_weighted", pa.float64()),
+    ("acceptance_request_mean", pa.float64()),
+    ("acceptance_by_position", pa.list_(pa.float64())),
+    ("output_tok_s", pa.float64()),
+    ("ttft_p50_s", pa.float64()),
+    ("details", pa.string()),
+    ("run_id", pa.string()),
+    ("created_at", pa.timestamp("us", tz="UTC")),
 ])
