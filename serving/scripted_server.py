@@ -7,6 +7,16 @@ or with a fixed latency and N slots (saturation benchmark). Answers are determin
 the request, so a test knows what each prompt must produce. A prompt containing `POISON` always
 fails with 500: the way to test the recorded-failure path.
 
+SGLang's native `/generate` (text or input_ids, sampling_params, stream) answers like SGLang:
+`meta_info` with `completion_tokens`, and with `--spec-accept-length A` the speculative fields
+(`spec_verify_ct` = completion_tokens / A rounded, `spec_accept_rate`, `spec_accept_length`) on the
+finished response, as SGLang sets them. Time is modelled per forward step (`--step-latency`): one
+token per step without speculation, one verify round (A tokens on average) per step with it, so
+tokens/s scales with acceptance. Streaming sends one SSE event per step, then `data: [DONE]`.
+`--spec-missing-verify-ct` speculates but leaves the spec_* fields out (a server that did not).
+A /generate prompt may carry `accept=X` (this request's acceptance length) and `len=N` (its
+answer ends after N tokens, like an EOS) to build uneven cases.
+
 Run: python -m serving.scripted_server --port 8123 --fail-500 0.1 --fail-429 0.05 ...
 """
 
@@ -16,8 +26,10 @@ import argparse
 import asyncio
 import hashlib
 import json
+import math
 import os
 import random
+import re
 import socket
 import struct
 import subprocess
@@ -35,6 +47,29 @@ def answer_for(messages: list[dict], max_tokens: int) -> tuple[str, str]:
     if max_tokens < len(words):
         return " ".join(words[:max_tokens]), "length"
     return " ".join(words), "stop"
+
+
+def answer_ids(text: str, n: int = 16) -> list[int]:
+    """The /generate answer for a prompt as token ids: the 16 of `answer_for`, then more from a hash chain."""
+    ids = [int(x, 16) for x in answer_for([{"role": "user", "content": text}], 1 << 30)[0].split()]
+    seed = hashlib.sha256(text.encode()).digest()
+    while len(ids) < n:
+        seed = hashlib.sha256(seed).digest()
+        ids += [int.from_bytes(seed[i : i + 2], "big") for i in range(0, 32, 2)]
+    return ids[:max(n, 16)]
+
+
+def _directive(text: str, name: str) -> str | None:
+    match = re.search(rf"\b{name}=([0-9.]+)", text)
+    return match.group(1) if match else None
+
+
+def round_sizes(n: int, accept_length: float) -> list[int]:
+    """Tokens per verify round: `round(n / A)` rounds sharing n tokens as evenly as integers allow."""
+    if n <= 0:
+        return []
+    rounds = min(n, max(1, math.floor(n / accept_length + 0.5)))
+    return [n * (i + 1) // rounds - n * i // rounds for i in range(rounds)]
 
 
 class Scripted:
@@ -75,13 +110,7 @@ class Scripted:
             payload = {"object": "list", "data": [{"id": self.args.model}]} if path == "/v1/models" else {"ok": True}
             return await self.send(writer, 200, json.dumps(payload).encode())
         if method == "POST" and path == "/generate":  # SGLang's native API: token ids and meta_info
-            req = json.loads(body)
-            ids = [int(x, 16) for x in answer_for([{"role": "user", "content": req.get("text", "")}], 1 << 30)[0].split()]
-            n = int((req.get("sampling_params") or {}).get("max_new_tokens") or len(ids))
-            out = {"text": " ".join(map(str, ids[:n])), "output_ids": ids[:n], "meta_info": {
-                "prompt_tokens": len(req.get("text", "").split()), "completion_tokens": min(n, len(ids)),
-                "finish_reason": {"type": "length" if n < len(ids) else "stop"}}}
-            return await self.send(writer, 200, json.dumps(out).encode())
+            return await self.generate(json.loads(body), writer)
         if method != "POST" or path != "/v1/chat/completions":
             return await self.send(writer, 404, b'{"error": "not found"}')
         self.requests += 1
@@ -127,6 +156,62 @@ class Scripted:
             writer.close()
             return False
         return await self.send(writer, 200, out)
+
+    async def generate(self, req: dict, writer: asyncio.StreamWriter) -> bool:
+        """SGLang /generate: the answer in steps (one token, or one verify round when speculating)."""
+        started = time.monotonic()
+        text = req.get("text")
+        if text is None:  # input_ids: the ids stand for the prompt
+            text = " ".join(map(str, req.get("input_ids") or []))
+        params = req.get("sampling_params") or {}
+        length = int(_directive(text, "len") or self.args.answer_tokens)
+        ids = answer_ids(text, length)[:length]
+        if params.get("ignore_eos") and params.get("max_new_tokens"):
+            ids = answer_ids(text, int(params["max_new_tokens"]))
+        n = int(params.get("max_new_tokens") or len(ids))
+        finish = {"type": "length" if n < len(ids) else "stop"}
+        ids = ids[:n]
+        accept = float(_directive(text, "accept") or self.args.spec_accept_length)
+        speculative = self.args.spec_accept_length > 0
+        steps = round_sizes(len(ids), accept) if speculative else [1] * len(ids)
+        meta = {"id": f"gen-{self.requests}", "prompt_tokens": len(text.split())}
+
+        def final_meta() -> dict:
+            out = {**meta, "completion_tokens": len(ids), "finish_reason": finish,
+                   "e2e_latency": time.monotonic() - started}
+            if speculative and not self.args.spec_missing_verify_ct:  # as SGLang's tokenizer manager sets them
+                verify, drafts = len(steps), len(steps) * (self.args.spec_num_draft_tokens - 1)
+                out.update(spec_verify_ct=verify, spec_accept_length=len(ids) / verify if verify else 0,
+                           spec_accept_rate=(len(ids) - verify) / drafts if drafts else 0.0,
+                           spec_accept_token_num=len(ids) - verify, spec_draft_token_num=drafts)
+            return out
+
+        if self.args.prefill_latency:
+            await asyncio.sleep(self.args.prefill_latency)
+        if not req.get("stream"):
+            if self.args.step_latency:
+                await asyncio.sleep(self.args.step_latency * len(steps))
+            out = {"text": " ".join(map(str, ids)), "output_ids": ids, "meta_info": final_meta()}
+            return await self.send(writer, 200, json.dumps(out).encode())
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        done = 0
+        for i, size in enumerate(steps or [0]):
+            if self.args.step_latency:
+                await asyncio.sleep(self.args.step_latency)
+            done += size
+            last = i == len(steps) - 1 or not steps
+            chunk_meta = final_meta() if last else {**meta, "completion_tokens": done, "finish_reason": None}
+            # SGLang's default (non-incremental) stream: text and output_ids so far, in every event
+            event = {"text": " ".join(map(str, ids[:done])), "output_ids": ids[:done], "meta_info": chunk_meta}
+            await self.send_chunk(writer, b"data: " + json.dumps(event).encode() + b"\n\n")
+        await self.send_chunk(writer, b"data: [DONE]\n\n")
+        await self.send_chunk(writer, b"")  # the last chunk of a chunked body
+        return True
+
+    @staticmethod
+    async def send_chunk(writer: asyncio.StreamWriter, data: bytes) -> None:
+        writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        await writer.drain()
 
     @staticmethod
     def head(status: int, length: int, extra: dict | None = None) -> bytes:
@@ -188,7 +273,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--latency", type=float, default=0.0, help="seconds per answer")
     p.add_argument("--slots", type=int, default=0, help="answers in parallel (0: unlimited)")
     p.add_argument("--empty-marker", default="EMPTY", help="prompts containing it get an empty answer")
-    return p.parse_args(argv)
+    p.add_argument("--answer-tokens", type=int, default=16, help="/generate: answer length before its stop")
+    p.add_argument("--step-latency", type=float, default=0.0,
+                   help="/generate: seconds per forward step (a token, or a verify round when speculating)")
+    p.add_argument("--prefill-latency", type=float, default=0.0, help="/generate: seconds before the first step")
+    p.add_argument("--spec-accept-length", type=float, default=0.0,
+                   help="/generate speculates with this acceptance length (tokens per verify round; 0: off)")
+    p.add_argument("--spec-num-draft-tokens", type=int, default=4, help="for spec_accept_rate, as SGLang computes it")
+    p.add_argument("--spec-missing-verify-ct", action="store_true",
+                   help="speculate but leave spec_verify_ct (and the other spec_* fields) out of meta_info")
+    args = p.parse_args(argv)
+    if args.spec_accept_length and args.spec_accept_length < 1:
+        p.error("--spec-accept-length is at least 1 (every verify round yields a token)")
+    return args
 
 
 async def serve(args: argparse.Namespace) -> None:
