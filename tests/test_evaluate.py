@@ -1,0 +1,242 @@
+"""Offline acceptance: known answers (oracle k+1, random draft ~1), greedy outputs unchanged by every
+drafter, the decode chain equal to TTT's steps, the final-state baseline skipping fc, prompt lookup,
+token-weighted vs per-request means, chat-templated prompts, and a short run on real SmolLM2."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from tasks.draft_model import DraftConfig, Eagle3Draft, load_target_embeddings
+from tasks.evaluate import (HUMANEVAL, AcceptanceReport, BenchPrompt, Drafter, Eagle3Drafter, OracleDrafter,
+                            PromptLookupDrafter, RequestResult, TargetState, aggregate, benchmark_sets,
+                            draft_chain_logits, evaluate_acceptance, load_draft_for_target,
+                            offline_acceptance, prompts_for_benchmark, speculative_generate,
+                            target_greedy)
+
+TARGET_CACHE = Path(tempfile.gettempdir()) / "eagle3-test-targets"  # shared with the other test modules
+V, H, N_DRAFT, LAYERS, AUX = 512, 64, 128, 6, (1, 2, 4)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Small matmuls: one torch thread is as fast and does not stall when another process holds the other core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=V)
+    return LlamaForCausalLM(config).eval()
+
+
+def _draft(target, n_draft: int = N_DRAFT, aux=AUX, seed: int = 1) -> Eagle3Draft:
+    cfg = target.config
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(DraftConfig.from_target_config(cfg, n_draft, aux))
+    ids = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(seed))[:n_draft].sort().values
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    draft.set_vocab(ids - torch.arange(n_draft), t2d)
+    load_target_embeddings(draft, target)
+    return draft.eval()
+
+
+def _prompts(n: int, seed: int = 0) -> list[BenchPrompt]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(6, 20, (1,), generator=g))
+        ids = torch.randint(0, V, (length,), generator=g).tolist()
+        out.append(BenchPrompt("a" if i % 2 else "b", f"p{i}", "", ids))
+    return out
+
+
+def test_oracle_drafter_is_accepted_in_full(tiny):
+    k, rounds = 3, 4
+    prompt = _prompts(1)[0].input_ids
+    max_new = 1 + rounds * (k + 1)  # the prefill's token, then `rounds` full rounds
+    r = speculative_generate(tiny, prompt, OracleDrafter(tiny), k, max_new)
+    assert r.output_ids == target_greedy(tiny, prompt, max_new)
+    assert r.verify_rounds == rounds and r.finish_reason == "length"
+    assert r.accepted_by_position == [rounds] * k and r.committed_drafts == rounds * k
+    assert r.tokens_per_verify_round == k + 1  # SGLang's `accept len`
+    assert r.acceptance_length == max_new / rounds  # completion / spec_verify_ct: the prefill token on top
+    only_prefill = speculative_generate(tiny, prompt, OracleDrafter(tiny), k, 1)
+    assert (only_prefill.verify_rounds, only_prefill.acceptance_length) == (0, None)  # no speculation: no number
+
+
+def test_random_draft_is_accepted_about_once_per_round(tiny):
+    report = evaluate_acceptance(tiny, _prompts(4), [Eagle3Drafter(_draft(tiny))], k=4, max_new_tokens=24)
+    agg = report.get("eagle3")
+    assert 1.0 <= agg.acceptance_length_token_weighted <= 1.2
+    assert 1.0 <= agg.tokens_per_verify_round <= 1.2
+
+
+def test_every_drafter_leaves_greedy_output_unchanged_stop_ids_included(tiny):
+    draft = _draft(tiny)
+    drafters: list[Drafter] = [OracleDrafter(tiny), Eagle3Drafter(draft), Eagle3Drafter(draft, "final"),
+                               PromptLookupDrafter()]
+    assert all(isinstance(d, Drafter) for d in drafters)
+    prompts = _prompts(3, seed=1)
+    # Repetitive text, so prompt lookup proposes (and gets some accepted) instead of idling.
+    prompts.append(BenchPrompt("rep", "rep", "", [7, 8, 9, 10, 11] * 4))
+    results = []
+    for p in prompts:
+        ref = target_greedy(tiny, p.input_ids, 20)
+        for d in drafters:
+            r = speculative_generate(tiny, p.input_ids, d, 4, 20, domain=p.domain, item_id=p.item_id)
+            results.append(r)
+            assert r.output_ids == ref, d.name
+            # The target's KV cache, cropped after each round, decodes and counts as a full recompute does.
+            assert speculative_generate(tiny, p.input_ids, d, 4, 20, domain=p.domain, item_id=p.item_id,
+                                        recompute=True) == r, d.name
+        stop = {ref[9]}  # a stop id inside the output: decoding ends on its first occurrence, which is kept
+        ref_stop = ref[:ref.index(ref[9]) + 1]
+        assert target_greedy(tiny, p.input_ids, 20, stop) == ref_stop
+        for d in drafters:
+            r = speculative_generate(tiny, p.input_ids, d, 4, 20, stop)
+            assert (r.output_ids, r.finish_reason, r.completion_tokens) == (ref_stop, "stop", len(ref_stop)), d.name
+    report = AcceptanceReport.build(4, 20, results)
+    assert report.greedy_mismatches == []
+    assert report.get("prompt-lookup", "rep").tokens_per_verify_round > 1.0
+    assert report.get("oracle").tokens_per_verify_round > 4.0
+
+
+def test_decode_chain_equals_ttt_steps_under_teacher_forcing(tiny):
+    """Step j at the last context position, fed the true tokens, is TTT step j at that position."""
+    draft = _draft(tiny)
+    ids = torch.randint(0, V, (1, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        states = tiny(input_ids=ids, output_hidden_states=True).hidden_states
+        aux = torch.cat([states[i + 1] for i in AUX], dim=-1)
+        ttt = [logits[0] for _, logits in draft.steps(aux, ids, steps=4)]
+        for t in (3, 9):
+            chain = draft_chain_logits(draft, draft.fc(aux[0, :t + 1]), ids[0, :t + 2], 4,
+                                       forced=ids[0, t + 2:t + 5].tolist())
+            for j in range(4):
+                torch.testing.assert_close(chain[j], ttt[j][t], atol=1e-5, rtol=1e-4)
+        # Free-running proposals are the argmax chain of the same recurrence.
+        state = TargetState(ids[0, :11], tuple(h[0, :10] for h in states))
+        proposals = Eagle3Drafter(draft).propose(state, 3)
+        chain = draft_chain_logits(draft, draft.fc(aux[0, :10]), ids[0, :11], 3, forced=proposals[:2])
+    assert proposals == [int(draft.draft_to_target[c.argmax()]) for c in chain]
+
+
+def test_final_state_baseline_feeds_the_final_state_in_place_of_fc(tiny):
+    draft = _draft(tiny)
+    ids = torch.randint(0, V, (12,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        states = tuple(h[0, :11] for h in tiny(input_ids=ids[None], output_hidden_states=True).hidden_states)
+    state = TargetState(ids, states)
+    final, eagle3 = Eagle3Drafter(draft, "final"), Eagle3Drafter(draft)
+    assert final.name != eagle3.name
+    before = (final.propose(state, 4), eagle3.propose(state, 4))
+    expected = [int(draft.draft_to_target[c.argmax()]) for c in draft_chain_logits(draft, states[-1], ids, 4)]
+    assert before[0] == expected
+    with torch.no_grad():
+        draft.fc.weight.mul_(-3.0)
+    assert final.propose(state, 4) == before[0]  # fc is never used
+    assert eagle3.propose(state, 4) != before[1]
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    pl = PromptLookupDrafter(max_ngram=3)
+
+    def s(toks: list[int]) -> TargetState:
+        return TargetState(torch.tensor(toks), ())
+
+    assert pl.propose(s([5, 6, 7, 8, 9, 5, 6, 7]), 3) == [8, 9, 5]
+    assert pl.propose(s([1, 2, 3, 1, 2, 4, 1, 2]), 2) == [4, 1]  # newest earlier [1, 2], not the first
+    assert pl.propose(s([1, 2, 3, 4]), 3) == []
+
+
+def test_token_weighted_and_request_mean_differ_and_are_labelled():
+    def req(tokens: int, rounds: int, domain: str) -> RequestResult:
+        return RequestResult("d", domain, f"{domain}{tokens}", 5, tokens, rounds, tokens - 1 - rounds,
+                             [rounds, 0], [rounds, rounds], "length", [0] * tokens)
+
+    rows = [req(11, 2, "x"), req(4, 3, "y")]
+    agg = aggregate(rows, "d", "all")
+    assert agg.acceptance_length_token_weighted == pytest.approx(15 / 5)
+    assert agg.acceptance_length_request_mean == pytest.approx((11 / 2 + 4 / 3) / 2)
+    assert agg.accepted_by_position == [5, 0] and agg.position_accept_rate == [1.0, 0.0]
+    report = AcceptanceReport.build(2, 11, rows)
+    assert [(a.domain, a.requests) for a in report.aggregates] == [("all", 2), ("x", 1), ("y", 1)]
+    table = report.to_rows()
+    assert {"acceptance_length_token_weighted", "acceptance_length_request_mean", "accept_rate_pos2"} <= set(table[0])
+    json.dumps(report.to_dict())
+    assert "AL tok-wt" in report.format_table()
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from tasks.target import load_target
+
+    return load_target(cache_dir=TARGET_CACHE)
+
+
+def test_benchmark_prompts_are_chat_templated(smol, tmp_path):
+    _, tok = smol
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"question": "What is 2+2?"},
+        {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "recorded"}]},
+    ]) + "\n")
+    prompts = prompts_for_benchmark(tok, None, benchmark_sets(files=[("mine", path)]), limit=2)
+    assert [p.domain for p in prompts] == [HUMANEVAL, HUMANEVAL, "mine", "mine"]
+    for p in prompts:
+        assert p.text.startswith("<|im_start|>") and p.text.endswith("<|im_start|>assistant\n")
+        assert p.input_ids == tok(p.text, add_special_tokens=False)["input_ids"]
+    assert "def has_close_elements" in prompts[0].text
+    assert "recorded" not in prompts[3].text  # the target writes its own answer
+    assert prompts[2].input_ids == tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}],
+                                                           add_generation_prompt=True, tokenize=True,
+                                                           return_dict=True)["input_ids"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"answer": "no prompt"}) + "\n")
+    with pytest.raises(ValueError, match="line 2: no prompt"):
+        benchmark_sets(humaneval=False, files=[("bad", bad)])
+    with pytest.raises(ValueError, match="CONTRACTS failure 10"):
+        prompts_for_benchmark(type("NoTemplate", (), {"chat_template": None})(), None, [("x", ["hi"])])
+
+
+def test_exported_draft_loads_for_its_target_and_proposes_the_same(tiny, tmp_path):
+    from tasks.export import export_sglang
+
+    draft = _draft(tiny)
+    folder = export_sglang(draft, tmp_path / "draft", dtype=torch.float32)
+    loaded = load_draft_for_target(folder, tiny)
+    ids = torch.randint(0, V, (12,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        states = tuple(h[0, :11] for h in tiny(input_ids=ids[None], output_hidden_states=True).hidden_states)
+    state = TargetState(ids, states)
+    assert Eagle3Drafter(loaded).propose(state, 4) == Eagle3Drafter(draft).propose(state, 4)
+
+
+def test_short_run_on_smollm2(smol):
+    from tasks.target import stop_token_ids
+
+    model, tok = smol
+    draft = _draft(model, n_draft=2048, aux=(1, 14, 26))
+    # The baselines run on the tiny target above; here one drafter keeps the real model's forwards few.
+    report = offline_acceptance(model, tok, draft, limit=2, k=3, max_new_tokens=16, baselines=False)
+    assert report.drafters == ["eagle3"]
+    stops = stop_token_ids(model, tok)
+    for p in prompts_for_benchmark(tok, None, benchmark_sets(), limit=2):
+        ref = target_greedy(model, p.input_ids, 16, stops)
+        assert [r.output_ids for r in report.requests if r.item_id == p.item_id] == [ref]
+    assert 1.0 <= report.get("eagle3").acceptance_length_token_weighted <= 1.2
+    assert report.get("eagle3", HUMANEVAL).requests == 2
+    json.dumps(report.to_dict())
