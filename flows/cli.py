@@ -268,6 +268,39 @@ def doctor(
 
 
 @app.command()
+def bench(
+    config: Path = ConfigOpt,
+    workspace: Optional[str] = WorkspaceOpt,
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="Exported SGLang draft folder "
+                                             "(default: the latest export in lineage)."),
+) -> None:
+    """Check the draft's serving contract, then measure acceptance against the baselines (and servers, if configured)."""
+    from flows.benchmark import ContractFailed, benchmark as benchmark_flow
+    from tasks.config import BenchConfig
+
+    cfg = _config(config, workspace)
+    section = cfg.benchmark or BenchConfig(workspace=cfg.workspace,
+                                          target=cfg.extract.target if cfg.extract else BenchConfig().target)
+    if checkpoint is not None:
+        section = section.model_copy(update={"checkpoint": checkpoint})
+    try:
+        summary = _run_flow(benchmark_flow, section)
+    except ContractFailed as e:
+        err.print(str(e), highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    console.print(summary.doctor, highlight=False, soft_wrap=True)
+    _print_rows(list(summary.rows[0]), [tuple(r.values()) for r in summary.rows], OutputFormat.table,
+                f"offline acceptance, chain k={summary.k} (acceptance length = completion tokens / verify rounds)")
+    if summary.online_rows:
+        _print_rows(list(summary.online_rows[0]), [tuple(r.values()) for r in summary.online_rows], OutputFormat.table,
+                    "online")
+    if summary.break_even:
+        _print_rows(list(summary.break_even[0]), [tuple(r.values()) for r in summary.break_even], OutputFormat.table,
+                    "break-even")
+    console.print(f"plot: {summary.plot_png}", highlight=False)
+
+
+@app.command()
 def sql(
     query: str = typer.Argument(..., help="Read-only SQL on the lineage store (views: record_outcomes, progress)."),
     config: Path = ConfigOpt,

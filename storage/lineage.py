@@ -1027,6 +1027,19 @@ class LineageStore:
                  run_id, _now()])
 
     # ------------------------------------------------------------ benchmark
+    def checkpoint_row(self, path: str | None = None, fmt: str = "sglang") -> dict | None:
+        """The registered checkpoint at `path`, or the latest one of `fmt`."""
+        if not self.path.exists():
+            return None
+        with self.read() as con:
+            if path is not None:
+                res = con.execute("SELECT * FROM checkpoints WHERE path = ? ORDER BY created_at DESC LIMIT 1", [path])
+            else:
+                res = con.execute("SELECT * FROM checkpoints WHERE format = ? ORDER BY created_at DESC LIMIT 1", [fmt])
+            cols = [d[0] for d in res.description]
+            row = res.fetchone()
+        return dict(zip(cols, row)) if row else None
+
 
     def write_benchmark_results(self, run_id: str, rows: list[dict]) -> None:
         """One benchmark's rows (per config, drafter, domain), in one transaction."""

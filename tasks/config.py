@@ -293,7 +293,47 @@ class TrainConfig(Strict):
         return self
 
 
-STAGES = ("discover", "regenerate", "extract", "train")
+class EvalSetConfigRef(Strict):
+    name: str
+    path: str
+
+
+class OnlineServerConfig(Strict):
+    label: str
+    url: str
+    speculative: bool = Field(default=True, description="A speculative server must report spec_verify_ct.")
+    api: Literal["sglang", "openai"] = Field(default="sglang", description="sglang: /generate; openai: /v1/*.")
+    num_draft_tokens: int | None = Field(default=None, ge=1, description="For the acceptance-rate diagnosis.")
+
+
+class OnlineBenchConfig(Strict):
+    """Against running servers: the baseline and speculative configs, each already launched."""
+
+    baseline: OnlineServerConfig
+    speculative: list[OnlineServerConfig] = Field(default_factory=list)
+    concurrency: list[int] = Field(default_factory=lambda: [1, 4, 16])
+    max_new_tokens: int = Field(default=256, ge=1)
+    probe_prompts: int = Field(default=20, ge=1)
+    probe_threshold: float = Field(default=1.3, gt=0, description="Stop if a launch accepts less than this.")
+
+
+class BenchConfig(Strict):
+    """Parameters of the `benchmark` flow: the serving contract first, then acceptance and speed."""
+
+    workspace: str = "runs/demo"
+    checkpoint: str | None = Field(default=None, description="An exported SGLang draft folder (default: the "
+                                                             "latest one in lineage).")
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    draft_tokens: int = Field(default=4, ge=1, le=16, description="Chain depth k of the offline benchmark.")
+    max_new_tokens: int = Field(default=64, ge=1)
+    prompts_per_domain: int = Field(default=8, ge=1)
+    humaneval: bool = True
+    eval_sets: list[EvalSetConfigRef] = Field(default_factory=list)
+    baselines: bool = Field(default=True, description="Prompt lookup and the final-state-only draft in the same table.")
+    online: OnlineBenchConfig | None = None
+
+
+STAGES = ("discover", "regenerate", "extract", "train", "benchmark")
 
 
 class PipelineConfig(Strict):
@@ -304,6 +344,7 @@ class PipelineConfig(Strict):
     regenerate: RegenerateConfig | None = None
     extract: ExtractConfig | None = None
     train: TrainConfig | None = None
+    benchmark: BenchConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -314,9 +355,11 @@ class PipelineConfig(Strict):
                 if isinstance(data.get(stage), dict):
                     data[stage].setdefault("workspace", data.get("workspace", "runs/demo"))
             # training runs the target the shards were extracted from, unless told otherwise
-            extract, train = data.get("extract"), data.get("train")
-            if isinstance(extract, dict) and isinstance(train, dict) and "target" in extract:
-                train.setdefault("target", extract["target"])
+            extract = data.get("extract")
+            for later in ("train", "benchmark"):
+                section = data.get(later)
+                if isinstance(extract, dict) and isinstance(section, dict) and "target" in extract:
+                    section.setdefault("target", extract["target"])
         return data
 
 

@@ -177,3 +177,32 @@ def test_online_mode_trains_without_writing_shards(prefect_api, tmp_path, worksp
     assert t.mode == "online" and t.step > 0 and t.rounds_done == 1 and t.shards_trained == 0
     assert not list((workspace / "shards").iterdir())
     assert not check_sglang(t.exports["sglang"])
+
+
+def test_benchmark_checks_the_contract_first_then_reports_acceptance_with_baselines(extracted, tmp_path, tiny_target):
+    from safetensors.torch import save_file
+
+    from flows.benchmark import ContractFailed, benchmark
+    from tasks.config import BenchConfig
+
+    ws = extracted
+    s = train(train_config(ws, tiny_target, epochs=4))
+    target = {"model_path": str(tiny_target), "dtype": "float32", "device": "cpu"}
+    b = benchmark(BenchConfig(workspace=str(ws), target=target, prompts_per_domain=2, max_new_tokens=12, draft_tokens=3))
+    assert b.doctor.startswith("PASS sglang") and b.checkpoint == f"t/sglang-step-{s.step:08d}"
+    assert set(b.acceptance) == {"eagle3", "eagle3-final-state-only", "prompt-lookup"}
+    assert all(v is None or 1.0 <= v <= 4.0 for v in b.acceptance.values())
+    assert b.greedy_mismatches == []  # greedy speculation never changes the output
+    _, rows = LineageStore(ws / "lineage.duckdb").query_readonly(
+        "SELECT count(*), count(DISTINCT drafter) FROM benchmark_results WHERE bench_id = ? AND checkpoint = ?"
+        .replace("?", "'{}'").format(b.bench_id, b.checkpoint))
+    assert rows[0][1] == 3 and rows[0][0] >= 6  # per drafter: all domains and humaneval
+    assert Path(b.plot_png).stat().st_size > 1000
+
+    # a draft whose decoder keys SGLang would skip (layers.0.*) is refused before any number is produced
+    broken = tmp_path / "broken"
+    shutil.copytree(s.exports["sglang"], broken)
+    weights = load_file(broken / "model.safetensors")
+    save_file({k.replace("midlayer.", "layers.0."): v for k, v in weights.items()}, broken / "model.safetensors")
+    with pytest.raises(ContractFailed, match="layers.0"):
+        benchmark(BenchConfig(workspace=str(ws), target=target, checkpoint=str(broken), prompts_per_domain=1))

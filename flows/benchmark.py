@@ -1,0 +1,199 @@
+"""The `benchmark` flow: the serving contract first, then acceptance (offline) and speed (online).
+
+Orchestration only: pick the draft (the latest export in lineage, or the one named), refuse it
+unless the doctor passes, measure offline acceptance with the baselines in the same table (prompt
+lookup, and the same draft fed only the final state, i.e. what `--speculative-algorithm EAGLE`
+produces), optionally benchmark running servers (probe first, then every concurrency level, then
+break-even), and store every number in `benchmark_results` linked to the checkpoint, with a Prefect
+table artifact and PNG plots. The measuring is in tasks/evaluate.py and serving/online_bench.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from flows.runinfo import run_metadata
+from storage.lineage import LineageError, LineageStore
+from tasks.config import BenchConfig, config_hash
+from tasks.target import load_configured_target
+
+
+class ContractFailed(RuntimeError):
+    """The draft fails the serving contract: no benchmark number is produced for it."""
+
+
+@dataclass
+class BenchSummary:
+    bench_id: str
+    checkpoint: str | None = None
+    draft_dir: str = ""
+    doctor: str = ""
+    k: int = 0
+    rows: list[dict] = field(default_factory=list)
+    acceptance: dict[str, float | None] = field(default_factory=dict)  # drafter -> token-weighted, all domains
+    greedy_mismatches: list[str] = field(default_factory=list)
+    online_rows: list[dict] = field(default_factory=list)
+    break_even: list[dict] = field(default_factory=list)
+    throughput_png: str | None = None
+    plot_png: str | None = None
+
+
+@flow(name="benchmark", log_prints=True)
+def benchmark(config: BenchConfig) -> BenchSummary:
+    """Check the draft against the serving contract, then measure acceptance against the baselines."""
+    logger = get_run_logger()
+    ws = Path(config.workspace)
+    store = LineageStore(ws / "lineage.duckdb")
+    meta = run_metadata()
+    run_id = store.begin_run("benchmark", config.model_dump(mode="json"), config_hash(config), meta["flow_run_id"],
+                             meta["git_sha"])
+    try:
+        summary = _benchmark(config, store, run_id, logger)
+    except BaseException as e:
+        store.finish_run(run_id, "FAILED", {"error": f"{type(e).__name__}: {e}"})
+        raise
+    store.finish_run(run_id, "COMPLETED", {k: v for k, v in asdict(summary).items() if k != "rows"})
+    return summary
+
+
+def _benchmark(config: BenchConfig, store: LineageStore, run_id: str, logger) -> BenchSummary:
+    from serving.doctor import expected_aux_layer_ids_from_lineage, run_doctor
+    from tasks.export import load_sglang
+    from tasks.evaluate import benchmark_sets, offline_acceptance
+
+    row = store.checkpoint_row(config.checkpoint) if config.checkpoint else store.checkpoint_row(fmt="sglang")
+    draft_dir = Path(config.checkpoint) if config.checkpoint else Path(row["path"]) if row else None
+    if draft_dir is None:
+        raise LineageError("no exported draft in this workspace: run `eagle3 train` first, or name `checkpoint`")
+    summary = BenchSummary(bench_id=uuid.uuid4().hex[:16], checkpoint=row["checkpoint"] if row else None,
+                           draft_dir=str(draft_dir), k=config.draft_tokens)
+    t = config.target
+    model, tokenizer, identity = load_configured_target(t.gguf, t.model_path, t.revision, t.trust_remote_code, t.dtype,
+                                                        t.device)
+    # The contract before any number: a draft the server would run wrong has no acceptance to report.
+    expected = expected_aux_layer_ids_from_lineage(store.path, draft_dir) if store.path.exists() else None
+    report = run_doctor(draft_dir, model.config.to_dict(), engine="sglang", expected_aux_layer_ids=expected)
+    if not report.passed:
+        raise ContractFailed(f"{draft_dir} fails the serving contract; not benchmarked:\n"
+                             + "\n".join(report.failure_lines()))
+    summary.doctor = report.summary_line()
+    logger.info(summary.doctor)
+
+    draft = load_sglang(draft_dir, embed_tokens=model.get_input_embeddings().weight.detach(),
+                        expected_aux_layer_ids=expected).to(model.device).eval()
+    sets = benchmark_sets(config.humaneval, [(e.name, e.path) for e in config.eval_sets])
+    acceptance = offline_acceptance(model, tokenizer, draft, chat_template=identity.chat_template, sets=sets,
+                                    limit=config.prompts_per_domain, k=config.draft_tokens,
+                                    max_new_tokens=config.max_new_tokens, baselines=config.baselines)
+    summary.greedy_mismatches = acceptance.greedy_mismatches
+    if acceptance.greedy_mismatches:
+        logger.warning("outputs differ between drafters (greedy must not change them): %s",
+                       acceptance.greedy_mismatches[:5])
+    summary.rows = acceptance.to_rows()
+    summary.acceptance = {a.drafter: a.acceptance_length_token_weighted for a in acceptance.aggregates
+                          if a.domain == "all"}
+    store.write_benchmark_results(run_id, [{
+        "bench_id": summary.bench_id, "checkpoint": summary.checkpoint, "kind": "offline",
+        "config_label": f"chain k={config.draft_tokens}", "drafter": a.drafter, "domain": a.domain,
+        "concurrency": None, "requests": a.requests, "completion_tokens": a.completion_tokens,
+        "verify_rounds": a.verify_rounds, "acceptance_token_weighted": a.acceptance_length_token_weighted,
+        "acceptance_request_mean": a.acceptance_length_request_mean,
+        "acceptance_by_position": [r if r is not None else float("nan") for r in a.position_accept_rate],
+        "output_tok_s": None, "ttft_p50_s": None,
+        "details": {"tokens_per_verify_round": a.tokens_per_verify_round, "max_new_tokens": config.max_new_tokens}}
+        for a in acceptance.aggregates])
+    if config.online is not None:
+        summary.online_rows = _online(config, store, run_id, summary, sets, tokenizer, identity.chat_template, logger)
+    png = store.path.parent / "reports" / "benchmark" / f"{summary.bench_id}-acceptance.png"
+    summary.plot_png = str(acceptance_png(acceptance, png))
+    _artifacts(summary)
+    return summary
+
+
+def _online(config: BenchConfig, store: LineageStore, run_id: str, summary: BenchSummary, sets, tokenizer, template,
+            logger) -> list[dict]:
+    """Probe each speculative server, then every config at every concurrency, then break-even."""
+    import asyncio
+
+    from serving.online_bench import ServerConfig, plot_throughput, probe_acceptance, run_online_benchmark
+    from tasks.evaluate import prompts_for_benchmark
+
+    online = config.online
+    assert online is not None
+    prompts = [p.text for p in prompts_for_benchmark(tokenizer, template, sets, config.prompts_per_domain)]
+    servers = [ServerConfig(s.label, speculative=s.speculative, url=s.url, api=s.api, num_draft_tokens=s.num_draft_tokens)
+               for s in [online.baseline.model_copy(update={"speculative": False}), *online.speculative]]
+
+    async def run():
+        for s in servers[1:]:  # a launch that does not speculate well stops here, with the likely causes
+            probe = await probe_acceptance(s, prompts, online.probe_threshold, n_prompts=online.probe_prompts,
+                                           num_draft_tokens=s.num_draft_tokens)
+            logger.info("probe %s: acceptance %.2f", s.label, probe.accept_length_token_weighted)
+        return await run_online_benchmark(None, prompts, servers, online.concurrency, online.max_new_tokens)
+
+    result = asyncio.run(run())
+    rows = result.to_rows(servers[0].label)
+    breakeven = result.break_even(servers[0].label).to_rows() if len(servers) > 1 else []
+    store.write_benchmark_results(run_id, [{
+        "bench_id": summary.bench_id, "checkpoint": summary.checkpoint, "kind": "online", "config_label": r["config"],
+        "drafter": "server", "domain": "all", "concurrency": r["concurrency"], "requests": r["requests"],
+        "completion_tokens": r["completion_tokens"], "verify_rounds": r["spec_verify_ct"],
+        "acceptance_token_weighted": r["accept_len_token_weighted"],
+        "acceptance_request_mean": r["accept_len_request_mean"], "acceptance_by_position": None,
+        "output_tok_s": r["output_tok_s"], "ttft_p50_s": (r["ttft_p50_ms"] or 0) / 1000 if r["ttft_p50_ms"] else None,
+        "details": {**r, "break_even": [b for b in breakeven if b.get("config") == r["config"]
+                                        and b.get("concurrency") == r["concurrency"]]}} for r in rows])
+    png = store.path.parent / "reports" / "benchmark" / f"{summary.bench_id}-throughput.png"
+    summary.throughput_png = str(plot_throughput(result, png, baseline=servers[0].label))
+    summary.break_even = breakeven
+    return rows
+
+
+def acceptance_png(report, path: Path) -> Path:
+    """Acceptance rate by draft position, one line per drafter (all domains)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for a in report.aggregates:
+        if a.domain != "all":
+            continue
+        rates = [r if r is not None else 0.0 for r in a.position_accept_rate]
+        al = a.acceptance_length_token_weighted
+        ax.plot(range(1, len(rates) + 1), rates, marker="o",
+                label=f"{a.drafter} (acceptance length {al:.2f})" if al is not None else a.drafter)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("accepted per verify round")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"offline acceptance, chain k={report.k}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def _artifacts(summary: BenchSummary) -> None:
+    create_table_artifact(key="benchmark-acceptance", table=summary.rows,
+                          description=f"offline acceptance of {summary.checkpoint or summary.draft_dir} "
+                                      "(acceptance length = completion tokens / verify rounds, token-weighted "
+                                      "and per-request mean)")
+    if summary.online_rows:
+        create_table_artifact(key="benchmark-online", table=summary.online_rows,
+                              description="online: tok/s, TTFT, acceptance (token-weighted and per-request mean)")
+    if summary.break_even:
+        create_table_artifact(key="benchmark-break-even", table=summary.break_even,
+                              description="acceptance length needed to beat the baseline, per config")
+    if summary.plot_png:
+        data = base64.b64encode(Path(summary.plot_png).read_bytes()).decode()
+        create_markdown_artifact(key="benchmark-plot", markdown=f"# {summary.doctor}\n\n"
+                                 f"![acceptance by position](data:image/png;base64,{data})")
