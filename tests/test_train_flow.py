@@ -206,3 +206,39 @@ def test_benchmark_checks_the_contract_first_then_reports_acceptance_with_baseli
     save_file({k.replace("midlayer.", "layers.0."): v for k, v in weights.items()}, broken / "model.safetensors")
     with pytest.raises(ContractFailed, match="layers.0"):
         benchmark(BenchConfig(workspace=str(ws), target=target, checkpoint=str(broken), prompts_per_domain=1))
+
+    # online: a baseline and a speculative SGLang-like server (real processes on loopback); the probe,
+    # every concurrency level and break-even land in the same table as the offline numbers
+    from serving.scripted_server import spawn
+
+    procs = []
+    try:
+        base_proc, base_url = spawn("--answer-tokens", "24", "--step-latency", "0.01")
+        procs.append(base_proc)
+        spec_proc, spec_url = spawn("--answer-tokens", "24", "--step-latency", "0.015", "--spec-accept-length", "2.5")
+        procs.append(spec_proc)
+        low_proc, low_url = spawn("--answer-tokens", "24", "--spec-accept-length", "1.0", "--spec-num-draft-tokens", "4")
+        procs.append(low_proc)
+        online = {"baseline": {"label": "baseline", "url": base_url, "speculative": False},
+                  "speculative": [{"label": "eagle3-k4", "url": spec_url}], "concurrency": [1, 2],
+                  "max_new_tokens": 24, "probe_prompts": 4}
+        cfg = BenchConfig(workspace=str(ws), target=target, prompts_per_domain=2, max_new_tokens=8, draft_tokens=2,
+                          baselines=False, online=online)
+        on = benchmark(cfg)
+        assert {(r["config"], r["concurrency"]) for r in on.online_rows} == {
+            ("baseline", 1), ("baseline", 2), ("eagle3-k4", 1), ("eagle3-k4", 2)}
+        spec_rows = [r for r in on.online_rows if r["config"] == "eagle3-k4"]
+        assert all(r["accept_len_token_weighted"] == pytest.approx(2.5, abs=0.2) for r in spec_rows)
+        assert on.break_even and all(b["beats_baseline"] for b in on.break_even)
+        _, kinds = LineageStore(ws / "lineage.duckdb").query_readonly(
+            f"SELECT kind, count(*) FROM benchmark_results WHERE bench_id = '{on.bench_id}' GROUP BY 1 ORDER BY 1")
+        assert kinds == [("offline", 2), ("online", 4)]
+        # a launch that does not speculate (acceptance ~1.0: the EAGLE flag) stops the benchmark with the causes
+        low = {**online, "speculative": [{"label": "wrong-flag", "url": low_url, "num_draft_tokens": 4}]}
+        from serving.online_bench import AcceptanceTooLow
+
+        with pytest.raises(AcceptanceTooLow, match="EAGLE3"):
+            benchmark(cfg.model_copy(update={"online": BenchConfig.model_validate({"online": low}).online}))
+    finally:
+        for p in procs:
+            p.kill()
