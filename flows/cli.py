@@ -227,6 +227,9 @@ def doctor(
                                                  "(default: the draft must serve both)."),
     fix: bool = typer.Option(False, "--fix", help="Write a corrected copy where the fix is mechanical."),
     fix_dir: Optional[Path] = typer.Option(None, "--fix-dir", help="Where --fix writes (default DRAFT_DIR-fixed)."),
+    sweep: Optional[str] = typer.Option(None, "--sweep", help="After passing, print the SGLang launch commands of a "
+                                        "sweep (steps, topk, draft tokens, CUDA graphs) for this target model path."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel size for --sweep commands."),
     config: Path = ConfigOpt,
     workspace: Optional[str] = WorkspaceOpt,
 ) -> None:
@@ -265,6 +268,18 @@ def doctor(
             err.print(line, highlight=False, soft_wrap=True)  # one line per failed check, never wrapped
         raise typer.Exit(1)
     console.print(report.summary_line(), highlight=False, soft_wrap=True)
+    if sweep is not None:
+        import shlex
+
+        from serving.launch import speculative_sweep
+
+        for point in speculative_sweep(sweep, draft_dir, tp=tp):
+            # every command is built from the checkpoint (EAGLE3) and passes the doctor's launch check
+            check = run_doctor(draft_dir, target, engine="sglang", launch=point.command, expected_aux_layer_ids=expected)
+            if not check.passed:
+                err.print(f"sweep point {point} fails: " + "; ".join(check.failure_lines()), soft_wrap=True)
+                raise typer.Exit(1)
+            print(shlex.join(point.command))
 
 
 @app.command()
