@@ -33,6 +33,7 @@ from tasks.export import (
     sglang_capture_layers,
     sglang_layer_ids,
     sglang_load_report,
+    speculators_header_problems,
     vllm_capture_layers,
     vllm_layer_ids,
 )
@@ -303,17 +304,7 @@ def _check_architecture(ctx: _Context) -> Check:
                 f" Export with tasks.export.export_sglang, which writes [{SGLANG_ARCHITECTURE!r}].")
         return Check("architecture", False, f"architectures is {archs!r}; SGLang's EAGLE-3 draft class is "
                                             f"[{SGLANG_ARCHITECTURE!r}] and another class loads other weights.{hint}")
-    problems = []
-    if archs != [SPECULATORS_ARCHITECTURE]:
-        problems.append(f"architectures is {archs!r}, vLLM's speculators EAGLE-3 format is [{SPECULATORS_ARCHITECTURE!r}]")
-    if config.get("speculators_model_type") != "eagle3":
-        problems.append(f"speculators_model_type is {config.get('speculators_model_type')!r}, expected 'eagle3'")
-    spec = config.get("speculators_config")
-    try:
-        _ = spec["proposal_methods"][0]["speculative_tokens"]
-        _ = spec["verifier"]["name_or_path"]
-    except (KeyError, IndexError, TypeError):
-        problems.append("speculators_config lacks proposal_methods[0].speculative_tokens or verifier.name_or_path")
+    problems = speculators_header_problems(config)
     if problems:
         return Check("architecture", False, "; ".join(problems) + ". Export with tasks.export.export_speculators "
                                                                   "(SGLang folders are not vLLM's format).")

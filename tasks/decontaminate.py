@@ -19,6 +19,7 @@ import numpy as np
 from tasks.config import DecontaminateConfig, EvalSetConfig
 from tasks.dedupe import ngram_hashes
 from tasks.prompts import canonical_text
+from tasks.sources import jsonl_rows
 
 _TEXT_FIELDS = ("prompt", "question", "input", "text", "problem", "instruction")
 _ID_FIELDS = ("task_id", "id", "question_id", "problem_id")
@@ -50,25 +51,21 @@ def load_eval_set(cfg: EvalSetConfig) -> list[EvalItem]:
     path = Path(cfg.path)
     if not path.exists():
         raise EvalSetError(f"eval set {cfg.name!r}: file not found: {path}")
-    opener = gzip.open if path.suffix == ".gz" else open
     items = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise EvalSetError(f"eval set {cfg.name!r}, {path} line {lineno}: invalid JSON: {e.msg}") from None
-            field = cfg.field or next((k for k in _TEXT_FIELDS if k in row), None)
-            if field is None or not isinstance(row.get(field), str):
-                raise EvalSetError(
-                    f"eval set {cfg.name!r}, {path} line {lineno}: no text field "
-                    f"(set `field`; looked for {', '.join(_TEXT_FIELDS)})"
-                )
-            id_field = cfg.id_field or next((k for k in _ID_FIELDS if k in row), None)
-            item = str(row[id_field]) if id_field else f"line{lineno}"
-            items.append(EvalItem(f"{cfg.name}/{item}", row[field]))
+    try:
+        rows = list(jsonl_rows(path))
+    except ValueError as e:
+        raise EvalSetError(f"eval set {cfg.name!r}, {e}") from None
+    for lineno, row in rows:
+        field = cfg.field or next((k for k in _TEXT_FIELDS if k in row), None)
+        if field is None or not isinstance(row.get(field), str):
+            raise EvalSetError(
+                f"eval set {cfg.name!r}, {path} line {lineno}: no text field "
+                f"(set `field`; looked for {', '.join(_TEXT_FIELDS)})"
+            )
+        id_field = cfg.id_field or next((k for k in _ID_FIELDS if k in row), None)
+        item = str(row[id_field]) if id_field else f"line{lineno}"
+        items.append(EvalItem(f"{cfg.name}/{item}", row[field]))
     return items
 
 

@@ -25,9 +25,7 @@ Promises:
 
 from __future__ import annotations
 
-import gzip
 import inspect
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -35,6 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
+
+from tasks.sources import jsonl_rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -76,27 +76,19 @@ def load_prompt_file(path: str | Path) -> list[PromptInput]:
     target writes its own). A line with none of these fields is an error naming the line.
     """
     path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
     out: list[PromptInput] = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {lineno}: invalid JSON: {e.msg}") from None
-            messages = row.get("messages") if isinstance(row, dict) else None
-            if isinstance(messages, list) and messages:
-                users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
-                if not users:
-                    raise ValueError(f"{path} line {lineno}: `messages` has no user turn")
-                out.append([dict(m) for m in messages[:users[-1] + 1]])
-                continue
-            text = next((row[k] for k in PROMPT_FIELDS if isinstance(row, dict) and isinstance(row.get(k), str)), None)
-            if text is None:
-                raise ValueError(f"{path} line {lineno}: no prompt (looked for {', '.join(PROMPT_FIELDS)}, messages)")
-            out.append(text)
+    for lineno, row in jsonl_rows(path):
+        messages = row.get("messages") if isinstance(row, dict) else None
+        if isinstance(messages, list) and messages:
+            users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
+            if not users:
+                raise ValueError(f"{path} line {lineno}: `messages` has no user turn")
+            out.append([dict(m) for m in messages[:users[-1] + 1]])
+            continue
+        text = next((row[k] for k in PROMPT_FIELDS if isinstance(row, dict) and isinstance(row.get(k), str)), None)
+        if text is None:
+            raise ValueError(f"{path} line {lineno}: no prompt (looked for {', '.join(PROMPT_FIELDS)}, messages)")
+        out.append(text)
     return out
 
 

@@ -507,9 +507,8 @@ def _sglang_problems(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, 
     return problems
 
 
-def _speculators_problems(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], d2t: torch.Tensor | None,
-                          t2d: torch.Tensor | None, expected_aux: Sequence[int] | None,
-                          target_num_layers: int | None = None) -> list[str]:
+def speculators_header_problems(config: Mapping[str, Any]) -> list[str]:
+    """What makes vLLM refuse a speculators config.json, or load it as another model type."""
     problems: list[str] = []
     if config.get("architectures") != [SPECULATORS_ARCHITECTURE]:
         problems.append(f"architectures is {config.get('architectures')!r}, expected [{SPECULATORS_ARCHITECTURE!r}]")
@@ -522,6 +521,13 @@ def _speculators_problems(config: Mapping[str, Any], shapes: Mapping[str, tuple[
     except (KeyError, IndexError, TypeError):
         problems.append("speculators_config lacks proposal_methods[0].speculative_tokens or verifier.name_or_path "
                         "(vLLM refuses it)")
+    return problems
+
+
+def _speculators_problems(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], d2t: torch.Tensor | None,
+                          t2d: torch.Tensor | None, expected_aux: Sequence[int] | None,
+                          target_num_layers: int | None = None) -> list[str]:
+    problems = speculators_header_problems(config)
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, Mapping):
         return problems + ["transformer_layer_config is missing or not a mapping"]

@@ -11,12 +11,15 @@ in a `ReadReport`, never raised.
 from __future__ import annotations
 
 import glob as globlib
+import gzip
 import hashlib
 import json
 import re
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tasks.config import SourceConfig
 
@@ -371,3 +374,17 @@ def source_quotas(configs: list[SourceConfig], available: dict[str, int], total_
         if given == 0:
             break
     return quota
+
+
+def jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed row) of a small trusted jsonl(.gz) file (eval sets, prompt files); blank lines
+    skipped, a bad line is a ValueError naming the file and line. Source datasets use the tolerant readers."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {lineno}: invalid JSON: {e.msg}") from None
