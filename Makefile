@@ -31,6 +31,7 @@ bench: install
 	$(PY) benchmarks/regenerate_client.py
 	$(PY) benchmarks/extract.py
 	$(PY) benchmarks/train.py
+	$(PY) benchmarks/teacher_storage.py
 
 clean:
 	rm -rf runs .pytest_cache
