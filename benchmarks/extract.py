@@ -79,7 +79,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 # Prefect reads its settings at import: set them before anything imports it (part 3 starts the server).
 _PREFECT_HOME: Path | None = None
@@ -96,6 +96,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch  # noqa: E402
+from report import Clock, load, mib, table  # noqa: E402  (benchmarks/report.py, beside this script)
 
 import storage.shards as shards_mod  # noqa: E402
 import tasks.extract as extract_mod  # noqa: E402
@@ -126,37 +127,6 @@ OPTIONS = {  # label -> (storage, teacher)
 TIMED = ("bf16+final_hidden", "fp8+topk20")  # the default, and the compact option
 ONCE = ("fp8+final_hidden", "bf16+topk20")
 CLOCKS = ("cpu", "wall")
-
-
-# ---------------------------------------------------------------- output helpers
-
-def table(title: str, header: list[str], rows: list[list]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-
-    def line(cells):
-        return "| " + " | ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
-    sep = "|" + "|".join(("-" * (w + 1) + ":") if i else ("-" * (w + 2)) for i, w in enumerate(widths)) + "|"
-    text = "\n".join([f"\n{title}\n", line(header), sep] + [line(r) for r in rows])
-    print(text, flush=True)
-    return text
-
-
-def mib(n: float) -> str:
-    return f"{n / 2**20:,.2f}"
-
-
-def load() -> str:
-    return " / ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-class Clock:
-    """Wall and CPU seconds since construction."""
-
-    def __init__(self) -> None:
-        self.w, self.c = time.perf_counter(), time.process_time()
-
-    def read(self) -> tuple[float, float]:
-        return time.perf_counter() - self.w, time.process_time() - self.c
 
 
 # ---------------------------------------------------------------- data

@@ -84,20 +84,20 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import tasks.draft_model as dm
+from report import Clock, load, mib, table  # benchmarks/report.py
 import tasks.train as tr
 from tasks.draft_model import (
     Batch,
@@ -126,17 +126,6 @@ BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask", "aux_hidden", "lengths
 
 # ---------------------------------------------------------------- clocks and output
 
-class Clock:
-    def __init__(self, sync: Callable[[], None]) -> None:
-        self.sync = sync
-        sync()
-        self.w, self.c = time.perf_counter(), time.process_time()
-
-    def read(self) -> tuple[float, float]:
-        self.sync()
-        return time.perf_counter() - self.w, time.process_time() - self.c
-
-
 @dataclass
 class Runs:
     wall: list[float] = field(default_factory=list)
@@ -153,27 +142,6 @@ class Runs:
     @property
     def c(self) -> float:
         return statistics.median(self.cpu)
-
-
-def table(title: str, header: list[str], rows: list[list]) -> str:
-    rows = [[str(c) for c in r] for r in rows]
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-
-    def line(cells):
-        return "| " + " | ".join(str(c).rjust(w) if i else str(c).ljust(w)
-                                 for i, (c, w) in enumerate(zip(cells, widths))) + " |"
-    sep = "|" + "|".join(("-" * (w + 1) + ":") if i else ("-" * (w + 2)) for i, w in enumerate(widths)) + "|"
-    text = "\n".join([f"\n{title}\n", line(header), sep] + [line(r) for r in rows])
-    print(text, flush=True)
-    return text
-
-
-def mib(n: float) -> str:
-    return f"{n / 2**20:,.0f}"
-
-
-def load() -> str:
-    return " / ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def sha12(path: Path) -> str:
@@ -714,10 +682,10 @@ def main() -> int:
             sv = m["saved"]
             row = [variant]
             if cuda:
-                row += [mib(m["cuda_peak"]), mib(m["cuda_peak"] - m["alloc_before"])]
-            row += [mib(m["peak"]), mib(m["peak"] - m["rss_before"]),
-                    mib(sum(sv.values())), mib(sv.get("vocab-sized", 0)), mib(sv.get("attention-sized", 0)),
-                    mib(sv.get("other", 0))]
+                row += [mib(m["cuda_peak"], 0), mib(m["cuda_peak"] - m["alloc_before"], 0)]
+            row += [mib(m["peak"], 0), mib(m["peak"] - m["rss_before"], 0),
+                    mib(sum(sv.values()), 0), mib(sv.get("vocab-sized", 0), 0), mib(sv.get("attention-sized", 0), 0),
+                    mib(sv.get("other", 0), 0)]
             rows.append(row)
         head = ["variant"] + (["CUDA peak MiB", "CUDA rise MiB"] if cuda else []) + [
             "peak RSS MiB", "RSS rise in the step MiB", "saved for backward MiB", "vocab-sized", "attention-sized",
