@@ -18,9 +18,9 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from flows.runinfo import run_metadata
+from flows.runinfo import lineage_run
 from storage.lineage import LineageError, LineageStore
-from tasks.config import BenchConfig, config_hash
+from tasks.config import BenchConfig
 from tasks.target import load_configured_target
 
 
@@ -50,15 +50,9 @@ def benchmark(config: BenchConfig) -> BenchSummary:
     logger = get_run_logger()
     ws = Path(config.workspace)
     store = LineageStore(ws / "lineage.duckdb")
-    meta = run_metadata()
-    run_id = store.begin_run("benchmark", config.model_dump(mode="json"), config_hash(config), meta["flow_run_id"],
-                             meta["git_sha"])
-    try:
-        summary = _benchmark(config, store, run_id, logger)
-    except BaseException as e:
-        store.finish_run(run_id, "FAILED", {"error": f"{type(e).__name__}: {e}"})
-        raise
-    store.finish_run(run_id, "COMPLETED", {k: v for k, v in asdict(summary).items() if k != "rows"})
+    with lineage_run(store, "benchmark", config) as run:
+        summary = _benchmark(config, store, run.run_id, logger)
+        run.summary = {k: v for k, v in asdict(summary).items() if k != "rows"}
     return summary
 
 

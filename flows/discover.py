@@ -15,9 +15,9 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from prefect.cache_policies import NO_CACHE
 from rich.progress import Progress
 
-from flows.runinfo import run_metadata
+from flows.runinfo import lineage_run
 from storage.lineage import OUTCOMES, LineageStore
-from tasks.config import DiscoverConfig, config_hash
+from tasks.config import DiscoverConfig
 from tasks.decontaminate import build_index
 from tasks.outcomes import backfill_signatures, decide_outcomes
 from tasks.sources import read_source, sample_records, source_quotas
@@ -60,15 +60,10 @@ def discover(config: DiscoverConfig) -> DiscoverSummary:
     logger = get_run_logger()
     db_path, dataset_path = workspace_paths(config.workspace)
     store = LineageStore(db_path)
-    meta = run_metadata()
-    run_id = store.begin_run("discover", config.model_dump(mode="json"), config_hash(config), meta["flow_run_id"], meta["git_sha"])
-    summary = DiscoverSummary(run_id=run_id, lineage_db=str(db_path), dataset=str(dataset_path))
-    try:
+    with lineage_run(store, "discover", config) as run:
+        summary = DiscoverSummary(run_id=run.run_id, lineage_db=str(db_path), dataset=str(dataset_path))
         _discover(config, store, summary, logger)
-    except BaseException as e:
-        store.finish_run(run_id, "FAILED", {"error": f"{type(e).__name__}: {e}"})
-        raise
-    store.finish_run(run_id, "COMPLETED", summary.__dict__)
+        run.summary = summary.__dict__
     return summary
 
 

@@ -24,12 +24,12 @@ from prefect.cache_policies import NO_CACHE
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from flows.regenerate import stage_lock
-from flows.runinfo import run_metadata
+from flows.runinfo import lineage_run
 from storage.datasets import file_sha256, read_generation_rows
 from storage.lineage import LineageError, LineageStore
 from storage.shards import ShardStore
 from tasks.chat import Sample, Tokenised, tokenise_rows
-from tasks.config import ExtractConfig, config_hash
+from tasks.config import ExtractConfig
 from tasks.extract import Extracted, ExtractSettings, Extractor, build_extractor, default_aux_layer_ids
 from tasks.rounds import extract_key, pack_results, plan_shard, sample_id, tokenize_key
 from tasks.target import TargetIdentity, load_configured_target
@@ -159,16 +159,10 @@ def extract(config: ExtractConfig) -> ExtractSummary:
     ws = Path(config.workspace)
     with stage_lock(ws, "extract"):
         store = LineageStore(ws / "lineage.duckdb")
-        meta = run_metadata()
-        run_id = store.begin_run("extract", config.model_dump(mode="json"), config_hash(config),
-                                 meta["flow_run_id"], meta["git_sha"])
-        summary = ExtractSummary(run_id=run_id, disk_budget_bytes=config.disk_budget_bytes)
-        try:
+        with lineage_run(store, "extract", config) as run:
+            summary = ExtractSummary(run_id=run.run_id, disk_budget_bytes=config.disk_budget_bytes)
             _extract(config, store, ws, summary, logger)
-        except BaseException as e:
-            store.finish_run(run_id, "FAILED", {"error": f"{type(e).__name__}: {e}"})
-            raise
-        store.finish_run(run_id, "COMPLETED", asdict(summary))
+            run.summary = asdict(summary)
     return summary
 
 

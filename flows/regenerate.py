@@ -21,11 +21,11 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from prefect.cache_policies import NO_CACHE
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from flows.runinfo import run_metadata
+from flows.runinfo import lineage_run
 from serving.client import Endpoint, RetryPolicy, ServerPool
 from storage.datasets import remove_unregistered
 from storage.lineage import LineageStore
-from tasks.config import RegenerateConfig, config_hash
+from tasks.config import RegenerateConfig
 from tasks.regenerate import GenerationSpec, GenerationWriter, import_finished_generations, regenerate_all
 
 
@@ -86,26 +86,20 @@ def regenerate(config: RegenerateConfig) -> RegenerateSummary:
     ws = Path(config.workspace)
     with stage_lock(ws, "regenerate"):
         store = LineageStore(ws / "lineage.duckdb")
-        with ExitStack() as stack:
-            if config.embedded_server is not None:
-                from tasks.target import embedded_identity
+        if config.embedded_server is not None:
+            from tasks.target import embedded_identity
 
-                gguf, revision, template_id = embedded_identity(config.embedded_server.gguf)
-                config = config.model_copy(update={"target_revision": revision})
-            else:
-                gguf, template_id = None, config.chat_template_id
-            spec = GenerationSpec.from_config(config, template_id)
-            meta = run_metadata()
-            run_id = store.begin_run("regenerate", config.model_dump(mode="json"), config_hash(config),
-                                     meta["flow_run_id"], meta["git_sha"])
-            summary = RegenerateSummary(run_id=run_id, params_key=spec.params_key,
+            gguf, revision, template_id = embedded_identity(config.embedded_server.gguf)
+            config = config.model_copy(update={"target_revision": revision})
+        else:
+            gguf, template_id = None, config.chat_template_id
+        spec = GenerationSpec.from_config(config, template_id)
+        # The server (in the stack) stops before the run's row is closed.
+        with lineage_run(store, "regenerate", config) as run, ExitStack() as stack:
+            summary = RegenerateSummary(run_id=run.run_id, params_key=spec.params_key,
                                         generations_dir=str(ws / "data" / "generations" / spec.params_key))
-            try:
-                _regenerate(config, store, spec, gguf, summary, stack, logger)
-            except BaseException as e:
-                store.finish_run(run_id, "FAILED", {"error": f"{type(e).__name__}: {e}"})
-                raise
-        store.finish_run(run_id, "COMPLETED", summary.__dict__)
+            run.summary = summary.__dict__  # the same dict: filled in as the run goes
+            _regenerate(config, store, spec, gguf, summary, stack, logger)
     return summary
 
 

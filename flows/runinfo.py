@@ -1,13 +1,18 @@
-"""Who wrote a lineage row: the Prefect flow-run id and the code's git sha.
+"""Who wrote a lineage row: the Prefect flow-run id and the code's git sha; a flow run's `runs` row.
 
-Promises: never fails a run for missing metadata; a value it cannot find is None.
+Promises: never fails a run for missing metadata (a value it cannot find is None); every flow run
+ends its row COMPLETED with its summary, or FAILED with the error.
 """
 
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 _ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,3 +33,26 @@ def run_metadata() -> dict:
     from prefect.runtime import flow_run
 
     return {"flow_run_id": flow_run.id, "git_sha": git_sha()}
+
+
+@dataclass
+class LineageRun:
+    run_id: str
+    summary: dict[str, Any] | None = None  # what the COMPLETED row records; set by the flow
+
+
+@contextmanager
+def lineage_run(store, flow: str, config) -> Iterator[LineageRun]:
+    """A `runs` row for this flow run (parameters, config hash, Prefect id, git sha): FAILED with the
+    error if the block raises, else COMPLETED with `run.summary`."""
+    from tasks.config import config_hash
+
+    meta = run_metadata()
+    run = LineageRun(store.begin_run(flow, config.model_dump(mode="json"), config_hash(config), meta["flow_run_id"],
+                                     meta["git_sha"]))
+    try:
+        yield run
+    except BaseException as e:
+        store.finish_run(run.run_id, "FAILED", {"error": f"{type(e).__name__}: {e}"})
+        raise
+    store.finish_run(run.run_id, "COMPLETED", run.summary or {})

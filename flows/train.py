@@ -26,12 +26,12 @@ from prefect.artifacts import (create_markdown_artifact, create_progress_artifac
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from flows.regenerate import stage_lock
-from flows.runinfo import run_metadata
+from flows.runinfo import lineage_run
 from storage.datasets import file_sha256, read_generation_rows
 from storage.lineage import LineageError, LineageStore
 from storage.shards import ShardStore
 from tasks.chat import Sample, tokenise_rows
-from tasks.config import TrainConfig, config_hash
+from tasks.config import TrainConfig
 from tasks.draft_model import DraftConfig, Eagle3Draft, collate, load_target_embeddings, target_head_weight
 from tasks.export import export_sglang, export_speculators
 from tasks.extract import Extracted, ExtractSettings, build_extractor
@@ -126,15 +126,9 @@ def train(config: TrainConfig) -> TrainSummary:
     ws = Path(config.workspace)
     with stage_lock(ws, "train"):
         store = LineageStore(ws / "lineage.duckdb")
-        meta = run_metadata()
-        run_id = store.begin_run("train", config.model_dump(mode="json"), config_hash(config), meta["flow_run_id"],
-                                 meta["git_sha"])
-        try:
-            summary = run_training(config, store, run_id, dist_from_env(), logger)
-        except BaseException as e:
-            store.finish_run(run_id, "FAILED", {"error": f"{type(e).__name__}: {e}"})
-            raise
-        store.finish_run(run_id, "COMPLETED", asdict(summary))
+        with lineage_run(store, "train", config) as run:
+            summary = run_training(config, store, run.run_id, dist_from_env(), logger)
+            run.summary = asdict(summary)
     _artifacts(summary, store)
     return summary
 
