@@ -254,6 +254,10 @@ class ExtractConfig(Strict):
     shard_bytes: int = Field(default=256 * 2**20, ge=1, description="Target size of one shard file.")
     max_batch_tokens: int = Field(default=8192, ge=1, description="Padded tokens per forward pass.")
     limit: int | None = Field(default=None, ge=1, description="At most this many samples this run.")
+    workers: int = Field(default=1, ge=1, le=256, description="Extraction processes, each holding the target: 1 runs "
+                         "in the flow's process; more run as Dask workers (prefect-dask) on this machine.")
+    dask_address: str | None = Field(default=None, description="A running Dask scheduler (tcp://host:8786) whose "
+                                     "workers extract instead of local ones; they must see the workspace folder.")
 
 
 class TrainConfig(Strict):
