@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -18,7 +19,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from storage.lineage import LineageError, LineageStore
+from storage.lineage import EXAMPLE_QUERIES, LineageError, LineageStore
 from tasks.config import ConfigError, PipelineConfig, load_config
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="EAGLE-3 data-scaling pipeline.")
@@ -74,6 +75,8 @@ def _run_flow(fn, *args, **kwargs):
 
     from flows.prefect_api import resolve_api_url
 
+    from flows.benchmark import ContractFailed
+    from flows.pipeline import PipelineStuck
     from flows.regenerate import StageBusy
     from serving.client import RequestFailed
     from serving.launch import ServerStartError
@@ -83,10 +86,15 @@ def _run_flow(fn, *args, **kwargs):
 
     url = resolve_api_url()
     console.print(f"Prefect API: {url} (UI: {url.removesuffix('/api')})", highlight=False)
+    os.environ["PREFECT_API_URL"] = url  # worker processes (extract.workers > 1) report to the same API
     try:
         with temporary_settings({PREFECT_API_URL: url}):
             return fn(*args, **kwargs)
-    except (SourceError, EvalSetError, LineageError, StageBusy, ServerStartError, RequestFailed, CorruptShard) as e:
+    except ContractFailed as e:
+        err.print(str(e), highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    except (SourceError, EvalSetError, LineageError, StageBusy, ServerStartError, RequestFailed, CorruptShard,
+            PipelineStuck) as e:
         # A problem the user can fix: one clear line (the Prefect run log keeps the traceback).
         err.print(f"[red]{type(e).__name__}: {e}[/red]", highlight=False)
         raise typer.Exit(2) from None
@@ -290,19 +298,12 @@ def bench(
                                              "(default: the latest export in lineage)."),
 ) -> None:
     """Check the draft's serving contract, then measure acceptance against the baselines (and servers, if configured)."""
-    from flows.benchmark import ContractFailed, benchmark as benchmark_flow
-    from tasks.config import BenchConfig
+    from flows.benchmark import benchmark as benchmark_flow
 
-    cfg = _config(config, workspace)
-    section = cfg.benchmark or BenchConfig(workspace=cfg.workspace,
-                                          target=cfg.extract.target if cfg.extract else BenchConfig().target)
+    section = _config(config, workspace).bench_section()
     if checkpoint is not None:
         section = section.model_copy(update={"checkpoint": checkpoint})
-    try:
-        summary = _run_flow(benchmark_flow, section)
-    except ContractFailed as e:
-        err.print(str(e), highlight=False, soft_wrap=True)
-        raise typer.Exit(1) from None
+    summary = _run_flow(benchmark_flow, section)
     console.print(summary.doctor, highlight=False, soft_wrap=True)
     _print_rows(list(summary.rows[0]), [tuple(r.values()) for r in summary.rows], OutputFormat.table,
                 f"offline acceptance, chain k={summary.k} (acceptance length = completion tokens / verify rounds)")
@@ -313,6 +314,97 @@ def bench(
         _print_rows(list(summary.break_even[0]), [tuple(r.values()) for r in summary.break_even], OutputFormat.table,
                     "break-even")
     console.print(f"plot: {summary.plot_png}", highlight=False)
+
+
+@app.command()
+def run(
+    config: Path = ConfigOpt,
+    workspace: Optional[str] = WorkspaceOpt,
+    max_rounds: Optional[int] = typer.Option(None, "--max-rounds", help="Extract -> train rounds this run."),
+) -> None:
+    """The whole pipeline: discover, regenerate, rounds of extract + train, doctor + benchmark.
+
+    Every stage skips what lineage records as done: run the same command again to resume.
+    """
+    from flows.pipeline import pipeline, report_rows
+
+    cfg = _config(config, workspace)
+    if max_rounds is not None:
+        cfg = cfg.model_copy(update={"max_rounds": max_rounds})
+    summary = _run_flow(pipeline, cfg)
+    _print_dicts([{"stage": s.stage, "state": s.state, "seconds": s.seconds, "what it did": s.detail}
+                  for s in summary.stages], f"pipeline run {summary.run_id} ({summary.seconds:,.0f} s)")
+    _print_dicts(report_rows(summary.report), "what the pipeline has produced (all runs)")
+    console.print(f"lineage: {summary.lineage_db}", highlight=False)
+    store = LineageStore(summary.lineage_db)
+    console.print("query it, e.g.:", highlight=False)
+    for title, query in EXAMPLE_QUERIES:
+        console.print(f"\n[bold]{title}[/bold]\n  eagle3 sql -w {summary.workspace} \"{query}\"", highlight=False,
+                      soft_wrap=True)
+        cols, rows = store.query_readonly(query)
+        _print_rows(cols, rows[:8], OutputFormat.table)
+
+
+@app.command()
+def serve(
+    config: Path = ConfigOpt,
+    workspace: Optional[str] = WorkspaceOpt,
+    name: Optional[str] = typer.Option(None, "--name", help="Deployment name (default: the config file's stem)."),
+    register_only: bool = typer.Option(False, "--register-only", help="Register the deployments and exit; runs "
+                                       "wait until `eagle3 serve` runs."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="At most this many flow runs at once."),
+) -> None:
+    """Register a Prefect deployment per flow and for the pipeline (nightly cron from the config),
+    then run what the schedules, the UI or `prefect deployment run` start, until interrupted."""
+    from prefect import serve as prefect_serve
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.deployments import build_deployments
+    from flows.prefect_api import resolve_api_url
+
+    cfg = _config(config, workspace)
+    deployments = build_deployments(cfg, name or config.stem)
+    url = resolve_api_url()
+    os.environ["PREFECT_API_URL"] = url  # the runner's flow-run processes report to the same API
+    with temporary_settings({PREFECT_API_URL: url}):
+        if register_only:
+            for d in deployments:
+                d.apply()
+        for d in deployments:
+            when = f"cron {cfg.schedule.cron} {cfg.schedule.timezone}" if d.schedules else "on demand"
+            console.print(f"deployment {d.flow_name}/{d.name}: {when}", highlight=False)
+        console.print(f"UI: {url.removesuffix('/api')}/deployments", highlight=False)
+        if not register_only:
+            prefect_serve(*deployments, limit=limit, print_starting_message=False)
+
+
+@app.command()
+def lineage(
+    checkpoint: str = typer.Argument(..., help="A checkpoint id (or unique prefix) or an exported draft folder."),
+    config: Path = ConfigOpt,
+    workspace: Optional[str] = WorkspaceOpt,
+    format: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f"),
+    full: bool = typer.Option(False, "--full", help="Every sample (default: counts per round and source, then 20)."),
+) -> None:
+    """Trace a checkpoint to the rounds, shards, samples, generations, prompts and source records it learned from."""
+    store = _store(config, workspace)
+    try:
+        ckpt, cols, rows = store.checkpoint_lineage(checkpoint)
+    except LineageError as e:
+        err.print(f"[red]{e}[/red]", highlight=False)
+        raise typer.Exit(2) from None
+    if format is not OutputFormat.table or full:
+        _print_rows(cols, rows, format)
+        return
+    console.print(f"checkpoint {ckpt['checkpoint']} ({ckpt['format']}) at {ckpt['path']}: run {ckpt['run_name']}, "
+                  f"step {ckpt['step']}, {ckpt['rounds']} round(s), target {ckpt['target']}@{ckpt['target_revision']}, "
+                  f"aux layers {list(ckpt['aux_layer_ids'])}, vocab {ckpt['vocab_id']}", highlight=False, soft_wrap=True)
+    by: dict[tuple, set] = {}
+    for r in rows:
+        by.setdefault((r[0], r[5]), set()).add(r[2])
+    _print_rows(["round", "source", "samples"], [(k[0], k[1], len(v)) for k, v in sorted(by.items(), key=str)],
+                OutputFormat.table, f"{len({r[2] for r in rows})} samples in {len({r[1] for r in rows})} shards")
+    _print_rows(cols, rows[:20], OutputFormat.table, "first 20 (all: --full or --format csv)")
 
 
 @app.command()

@@ -444,6 +444,78 @@ MIGRATIONS: list[tuple[int, str, str]] = [
         );
         """,
     ),
+    (
+        6,
+        "progress: train and benchmark rows (the data stages' rows are kept as progress_data)",
+        """
+        ALTER VIEW progress RENAME TO progress_data;
+        CREATE VIEW progress AS
+            WITH last_train AS (
+                -- the latest training run that completed a round: its token pace predicts the rest
+                SELECT r.run_id, greatest(epoch(r.ended_at) - epoch(r.started_at), 1e-3) AS secs FROM runs r
+                WHERE r.flow = 'train' AND r.ended_at IS NOT NULL
+                  AND EXISTS (SELECT 1 FROM train_rounds t WHERE t.run_id = r.run_id)
+                ORDER BY r.started_at DESC LIMIT 1
+            ), train_pace AS (
+                SELECT sum(s.tokens * t.epochs) / any_value(l.secs) AS tok_s
+                FROM last_train l JOIN train_rounds t ON t.run_id = l.run_id
+                CROSS JOIN LATERAL (SELECT unnest(t.shards) AS shard) u JOIN shards s ON s.shard = u.shard
+            ), train_epochs AS (
+                SELECT coalesce(max((train_config->>'epochs')::INTEGER), 1) AS epochs FROM train_runs
+            ), train_counts AS (
+                -- a shard counts as trained once a completed round lists it; written shards wait
+                SELECT
+                    (SELECT count(*) FROM shards s WHERE EXISTS (
+                        SELECT 1 FROM train_rounds r WHERE list_contains(r.shards, s.shard))) AS done_shards,
+                    (SELECT coalesce(sum(samples), 0) FROM shards s WHERE EXISTS (
+                        SELECT 1 FROM train_rounds r WHERE list_contains(r.shards, s.shard))) AS done,
+                    (SELECT coalesce(sum(tokens), 0) FROM shards s WHERE EXISTS (
+                        SELECT 1 FROM train_rounds r WHERE list_contains(r.shards, s.shard))) AS tokens,
+                    (SELECT coalesce(sum(samples), 0) FROM shards s WHERE NOT EXISTS (
+                        SELECT 1 FROM train_rounds r WHERE list_contains(r.shards, s.shard))) AS pending,
+                    (SELECT coalesce(sum(tokens), 0) FROM shards s WHERE NOT EXISTS (
+                        SELECT 1 FROM train_rounds r WHERE list_contains(r.shards, s.shard))) AS pending_tokens
+            ), train_row AS (
+                SELECT 'train' AS stage, c.done, c.pending, 0::BIGINT AS failed, c.tokens::HUGEINT AS tokens,
+                       (SELECT round(tok_s, 1) FROM train_pace) AS rate_per_s,
+                       (SELECT CASE WHEN tok_s > 0 THEN to_seconds(round(c.pending_tokens * e.epochs / tok_s)::BIGINT) END
+                          FROM train_pace, train_epochs e) AS eta
+                FROM train_counts c
+            ), latest_exports AS (
+                SELECT checkpoint FROM checkpoints WHERE format = 'sglang'
+                QUALIFY row_number() OVER (PARTITION BY run_name ORDER BY created_at DESC) = 1
+            ), benchmark_row AS (
+                -- done: each training run's latest SGLang export, benchmarked or not (pending)
+                SELECT 'benchmark' AS stage,
+                       count(*) FILTER (WHERE EXISTS (SELECT 1 FROM benchmark_results b WHERE b.checkpoint = c.checkpoint))
+                         AS done,
+                       count(*) FILTER (WHERE NOT EXISTS (
+                           SELECT 1 FROM benchmark_results b WHERE b.checkpoint = c.checkpoint)) AS pending,
+                       (SELECT count(*) FROM runs WHERE flow = 'benchmark' AND state IN ('FAILED', 'CRASHED')
+                          AND started_at > coalesce((SELECT max(started_at) FROM runs
+                                                     WHERE flow = 'benchmark' AND state = 'COMPLETED'),
+                                                    '-infinity'::TIMESTAMPTZ)) AS failed,
+                       (SELECT sum(completion_tokens) FROM benchmark_results)::HUGEINT AS tokens,
+                       NULL::DOUBLE AS rate_per_s, NULL::INTERVAL AS eta
+                FROM latest_exports c
+            )
+            SELECT * FROM progress_data UNION ALL SELECT * FROM train_row UNION ALL SELECT * FROM benchmark_row;
+        """,
+    ),
+]
+
+
+# Questions a person asks of a pipeline's lineage; `eagle3 run` prints them with their answers.
+EXAMPLE_QUERIES: list[tuple[str, str]] = [
+    ("What happened to every source record?",
+     "SELECT source, outcome, count(*) AS records FROM record_outcomes GROUP BY ALL ORDER BY ALL"),
+    ("Which sources trained the latest exported draft?",
+     "SELECT source, count(DISTINCT sample_id) AS samples, count(DISTINCT shard) AS shards FROM checkpoint_lineage "
+     "WHERE checkpoint = (SELECT checkpoint FROM checkpoints WHERE format = 'sglang' ORDER BY created_at DESC LIMIT 1) "
+     "GROUP BY source"),
+    ("Acceptance length of each drafter, latest benchmark first",
+     "SELECT checkpoint, drafter, domain, round(acceptance_token_weighted, 2) AS acceptance, requests "
+     "FROM benchmark_results WHERE kind = 'offline' ORDER BY created_at DESC, domain, drafter"),
 ]
 
 
@@ -1081,6 +1153,79 @@ class LineageStore:
             ).to_arrow_table()
         write_parquet_atomic(table, target)
         return table.num_rows
+
+    def benchmarked(self, checkpoint: str, config_hash: str) -> str | None:
+        """The bench_id of a completed benchmark of `checkpoint` under this config, if there is one."""
+        if not self.path.exists():
+            return None
+        with self.read() as con:
+            row = con.execute(
+                "SELECT b.bench_id FROM benchmark_results b JOIN runs r USING (run_id) "
+                "WHERE b.checkpoint = ? AND r.config_hash = ? AND r.state = 'COMPLETED' "
+                "ORDER BY b.created_at DESC LIMIT 1", [checkpoint, config_hash]).fetchone()
+        return row[0] if row else None
+
+    def pipeline_report(self, run_name: str | None = None) -> dict:
+        """What a whole pipeline has done so far, over every run: the demo's closing summary."""
+        with self.read() as con:
+            one = lambda sql, *p: con.execute(sql, list(p)).fetchone()  # noqa: E731
+            outcomes = dict(con.execute("SELECT outcome, count(*) FROM records GROUP BY 1").fetchall())
+            gens, completion = one("SELECT count(*), coalesce(sum(completion_tokens), 0) FROM generations")
+            failed_prompts = one("SELECT count(DISTINCT prompt_id) FROM generation_failures f WHERE NOT EXISTS "
+                                 "(SELECT 1 FROM generations g WHERE g.prompt_id = f.prompt_id)")[0]
+            samples = dict(con.execute("SELECT outcome, count(*) FROM samples GROUP BY 1").fetchall())
+            tokens, masked = one("SELECT coalesce(sum(tokens), 0), coalesce(sum(masked_tokens), 0) FROM samples "
+                                 "WHERE outcome = 'extracted'")
+            shards = dict(con.execute("SELECT state, count(*) FROM shards GROUP BY 1").fetchall())
+            shard_bytes = one("SELECT coalesce(sum(bytes), 0) FROM shards")[0]
+            peak, budget = one("SELECT max((summary->>'peak_disk_bytes')::BIGINT), "
+                               "max((summary->>'disk_budget_bytes')::BIGINT) FROM runs WHERE flow = 'extract'")
+            name_filter = "WHERE run_name = ?" if run_name else ""
+            metric = con.execute(f"SELECT run_name, step, loss, accuracy, conditional_accuracy, tokens FROM train_metrics "
+                                 f"{name_filter} ORDER BY recorded_at DESC, step DESC LIMIT 1",
+                                 [run_name] if run_name else []).fetchone()
+            ckpt = con.execute(f"SELECT checkpoint, path FROM checkpoints {name_filter} "
+                               f"{'AND' if run_name else 'WHERE'} format = 'sglang' ORDER BY created_at DESC LIMIT 1",
+                               [run_name] if run_name else []).fetchone()
+            acceptance: dict[str, float] = {}
+            if ckpt is not None:
+                acceptance = dict(con.execute(
+                    "SELECT drafter, acceptance_token_weighted FROM benchmark_results WHERE bench_id = "
+                    "(SELECT bench_id FROM benchmark_results WHERE checkpoint = ? AND kind = 'offline' "
+                    " ORDER BY created_at DESC LIMIT 1) AND domain = 'all' AND kind = 'offline'", [ckpt[0]]).fetchall())
+        return {
+            "records_in": sum(outcomes.values()), "record_outcomes": outcomes, "kept": outcomes.get("kept", 0),
+            "generations": gens, "completion_tokens": completion, "failed_prompts": failed_prompts,
+            "samples": samples, "tokens": tokens, "masked_tokens": masked,
+            "shards": shards, "shard_bytes_written": shard_bytes, "peak_disk_bytes": peak, "disk_budget_bytes": budget,
+            "train": None if metric is None else dict(zip(
+                ("run_name", "step", "loss", "accuracy", "conditional_accuracy", "tokens"), metric)),
+            "checkpoint": None if ckpt is None else {"checkpoint": ckpt[0], "path": ckpt[1]},
+            "acceptance": acceptance,
+        }
+
+    def checkpoint_lineage(self, checkpoint: str) -> tuple[dict, list[str], list[tuple]]:
+        """A checkpoint (by id, unique id prefix, exported path, or run name: its latest export) and every (round, shard, sample,
+        generation, prompt, source record) it was trained on."""
+        path = str(Path(checkpoint).resolve()) if Path(checkpoint).exists() else checkpoint
+        with self.read() as con:
+            res = con.execute("SELECT * FROM checkpoints WHERE checkpoint = ? OR path = ? OR path = ? "
+                              "OR starts_with(checkpoint, ?) ORDER BY created_at", [checkpoint, checkpoint, path, checkpoint])
+            cols = [d[0] for d in res.description]
+            found = [dict(zip(cols, r)) for r in res.fetchall()]
+            if len(found) > 1 and all(r["run_name"] == checkpoint for r in found):
+                # a training run's name: its latest SGLang export
+                found = [r for r in found if r["format"] == "sglang"][-1:] or found[-1:]
+            if not found:
+                raise LineageError(f"no checkpoint {checkpoint!r} in {self.path}; list them with "
+                                   "`eagle3 sql \"SELECT checkpoint, format, path FROM checkpoints\"`")
+            if len({r["checkpoint"] for r in found}) > 1:
+                raise LineageError(f"{checkpoint!r} matches {len(found)} checkpoints "
+                                   f"({', '.join(r['checkpoint'] for r in found[:5])}); give more of the id")
+            res = con.execute(
+                "SELECT round, shard, sample_id, generation_id, prompt_id, source, record_key FROM checkpoint_lineage "
+                "WHERE checkpoint = ? ORDER BY round, shard, sample_id", [found[0]["checkpoint"]])
+            return found[0], [d[0] for d in res.description], res.fetchall()
 
     def query_readonly(self, sql: str) -> tuple[list[str], list[tuple]]:
         """Run one or more read-only statements; return the last one's columns and rows."""

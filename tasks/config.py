@@ -340,8 +340,28 @@ class BenchConfig(Strict):
 STAGES = ("discover", "regenerate", "extract", "train", "benchmark")
 
 
+class ScheduleConfig(Strict):
+    """When `eagle3 serve` runs things by itself (the Prefect deployments' schedules)."""
+
+    cron: str | None = Field(default="0 2 * * *", description="The nightly pipeline run (cron); null: none.")
+    timezone: str = Field(default="UTC", description="IANA time zone the crons are read in.")
+    stage_crons: dict[Literal["discover", "regenerate", "extract", "train", "benchmark"], str] = Field(
+        default_factory=dict, description="Optional schedules of single stages, e.g. {regenerate: '0 */4 * * *'}.")
+
+
+class ResourcesConfig(Strict):
+    """Prefect global concurrency limits: every flow run on this Prefect server shares them."""
+
+    gpus: int = Field(default=1, ge=1, description="Slots of the `eagle3-gpus` limit: extract, train and benchmark "
+                                                    "each hold one while they run.")
+    server_slots: int | None = Field(default=None, ge=1, description="Slots of `eagle3-server-slots`; regenerate holds "
+                                     "its endpoints' total concurrency. Default: that total.")
+    lease_seconds: float = Field(default=300, ge=30, description="A crashed holder's slots free after this long.")
+    wait_seconds: float | None = Field(default=None, gt=0, description="Give up waiting for slots after this long.")
+
+
 class PipelineConfig(Strict):
-    """The whole YAML file."""
+    """The whole YAML file; also the parameters of the `pipeline` flow."""
 
     workspace: str = "runs/demo"
     discover: DiscoverConfig | None = None
@@ -349,6 +369,16 @@ class PipelineConfig(Strict):
     extract: ExtractConfig | None = None
     train: TrainConfig | None = None
     benchmark: BenchConfig | None = None
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    max_rounds: int | None = Field(default=None, ge=1, description="Extract -> train rounds per pipeline run "
+                                   "(default: until every generation is trained on).")
+
+    def bench_section(self) -> BenchConfig:
+        """The benchmark section, or its defaults on this workspace and the extraction's target."""
+        if self.benchmark is not None:
+            return self.benchmark
+        return BenchConfig(workspace=self.workspace, target=self.extract.target if self.extract else TargetConfig())
 
     @model_validator(mode="before")
     @classmethod

@@ -1,0 +1,227 @@
+"""The `pipeline` flow: every stage in order, resumable from lineage after any failure.
+
+Orchestration only: discover -> regenerate -> rounds of (extract until the disk budget is full ->
+train, which deletes the shards it consumed) -> benchmark (the serving-contract doctor first). Each
+stage is its own Prefect subflow and its own `runs` row, and skips what lineage records as done, so
+running the same pipeline again continues a multi-day run where it stopped; a stage that fails
+leaves every other stage's work committed. Prefect global concurrency limits share the machine:
+regenerate holds its server slots, extract / train / benchmark hold a GPU slot.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+
+from flows.benchmark import benchmark as benchmark_flow
+from flows.discover import discover as discover_flow
+from flows.extract import extract as extract_flow
+from flows.regenerate import regenerate as regenerate_flow, stage_lock
+from flows.runinfo import lineage_run
+from flows.train import train as train_flow
+from storage.lineage import LineageError, LineageStore
+from tasks.config import PipelineConfig, RegenerateConfig, ResourcesConfig, config_hash
+
+GPU_LIMIT = "eagle3-gpus"
+SERVER_LIMIT = "eagle3-server-slots"
+
+
+class PipelineStuck(RuntimeError):
+    """The rounds cannot go on: the disk budget is full and nothing in it can be trained on."""
+
+
+@dataclass
+class StageRun:
+    stage: str
+    state: str  # ran | skipped
+    seconds: float
+    detail: str
+
+
+@dataclass
+class PipelineSummary:
+    run_id: str
+    workspace: str
+    lineage_db: str
+    rounds: int = 0
+    stages: list[StageRun] = field(default_factory=list)
+    report: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def server_slots_needed(regenerate: RegenerateConfig | None) -> int:
+    """Requests regenerate keeps in flight: its endpoints' total, 1 for the embedded llama.cpp server."""
+    if regenerate is None:
+        return 0
+    if regenerate.embedded_server is not None:
+        return 1
+    return sum(e.max_concurrency for e in regenerate.endpoints)
+
+
+def ensure_concurrency_limits(resources: ResourcesConfig, regenerate: RegenerateConfig | None) -> dict[str, int]:
+    """Create (or resize) the global concurrency limits on the Prefect server; returns their sizes."""
+    from prefect.client.orchestration import get_client
+
+    sizes = {GPU_LIMIT: resources.gpus,
+             SERVER_LIMIT: resources.server_slots or max(server_slots_needed(regenerate), 1)}
+    with get_client(sync_client=True) as client:
+        for name, limit in sizes.items():
+            client.upsert_global_concurrency_limit_by_name(name, limit)
+    return sizes
+
+
+@contextmanager
+def held(name: str, occupy: int, sizes: dict[str, int], resources: ResourcesConfig) -> Iterator[None]:
+    """Hold `occupy` slots of a global limit (never more than it has) while the block runs."""
+    from prefect.concurrency.sync import concurrency
+
+    with concurrency(name, occupy=max(1, min(occupy, sizes[name])), timeout_seconds=resources.wait_seconds,
+                     lease_duration=resources.lease_seconds, strict=True):
+        yield
+
+
+@flow(name="pipeline", log_prints=True)
+def pipeline(config: PipelineConfig) -> PipelineSummary:
+    """discover -> regenerate -> rounds of (extract to the disk budget -> train) -> doctor + benchmark."""
+    logger = get_run_logger()
+    ws = Path(config.workspace)
+    started = time.monotonic()
+    with stage_lock(ws, "pipeline"):
+        store = LineageStore(ws / "lineage.duckdb")
+        sizes = ensure_concurrency_limits(config.resources, config.regenerate)
+        with lineage_run(store, "pipeline", config) as run:
+            summary = PipelineSummary(run_id=run.run_id, workspace=str(ws), lineage_db=str(store.path))
+            _stages(config, store, sizes, summary, logger)
+            summary.seconds = time.monotonic() - started
+            summary.report = store.pipeline_report(config.train.run_name if config.train else None)
+            run.summary = {"rounds": summary.rounds, "stages": [asdict(s) for s in summary.stages]}
+    create_table_artifact(key="pipeline-stages", table=[asdict(s) for s in summary.stages],
+                          description=f"pipeline run {summary.run_id}: what each stage did")
+    create_table_artifact(key="pipeline-summary", table=report_rows(summary.report),
+                          description=f"pipeline totals in {summary.lineage_db}")
+    return summary
+
+
+def _stages(config: PipelineConfig, store: LineageStore, sizes: dict[str, int], summary: PipelineSummary,
+            logger) -> None:
+    res = config.resources
+    planned = ["discover", "regenerate", "extract+train", "benchmark"]
+    progress = create_progress_artifact(0.0, key="pipeline-progress", description="pipeline: stages done")
+
+    def stage(name: str, fn, *args):
+        print(f"== stage {name}")  # one line per stage in the run log (and on the console)
+        t0 = time.monotonic()
+        out = fn(*args)
+        summary.stages.append(StageRun(name, "ran", round(time.monotonic() - t0, 1), _detail(out)))
+        return out
+
+    def skipped(name: str, why: str) -> None:
+        print(f"== stage {name}: skipped ({why})")
+        summary.stages.append(StageRun(name, "skipped", 0.0, why))
+
+    def done(n: int) -> None:
+        update_progress_artifact(progress, progress=100.0 * n / len(planned))
+
+    if config.discover is not None:
+        stage("discover", discover_flow, config.discover)
+    else:
+        skipped("discover", "no discover section")
+    done(1)
+    if config.regenerate is not None:
+        with held(SERVER_LIMIT, server_slots_needed(config.regenerate), sizes, res):
+            stage("regenerate", regenerate_flow, config.regenerate)
+    else:
+        skipped("regenerate", "no regenerate section")
+    done(2)
+    if config.extract is not None and config.train is not None:
+        _rounds(config, sizes, summary, stage, logger)
+    else:
+        skipped("extract+train", "needs both extract and train sections")
+    done(3)
+    bench = config.bench_section()
+    latest = store.checkpoint_row(bench.checkpoint) if bench.checkpoint else store.checkpoint_row(fmt="sglang")
+    if latest is None:
+        raise LineageError("no exported draft to benchmark: the train stage exported none")
+    already = store.benchmarked(latest["checkpoint"], config_hash(bench))
+    if already:
+        skipped("benchmark", f"checkpoint {latest['checkpoint']} already benchmarked ({already})")
+    else:
+        with held(GPU_LIMIT, 1, sizes, res):
+            stage("benchmark", benchmark_flow, bench)
+    done(4)
+
+
+def _rounds(config: PipelineConfig, sizes: dict[str, int], summary: PipelineSummary, stage, logger) -> None:
+    """Extract until the budget is full, train (which frees the shards), again until nothing is left."""
+    assert config.extract is not None and config.train is not None
+    res = config.resources
+    while True:
+        summary.rounds += 1
+        with held(GPU_LIMIT, 1, sizes, res):
+            ex = stage(f"extract (round {summary.rounds})", extract_flow, config.extract)
+        with held(GPU_LIMIT, 1, sizes, res):
+            tr = stage(f"train (round {summary.rounds})", train_flow, config.train)
+        if ex.stopped_by != "budget" or tr.stopped_by == "max_steps":
+            return  # every pending sample is extracted and trained on (or a step/sample limit was reached)
+        if ex.shards_written == 0 and tr.shards_deleted == 0:
+            raise PipelineStuck(
+                f"the disk budget ({config.extract.disk_budget_bytes} B) is full of shards this training run "
+                f"({config.train.run_name}) cannot consume, and the next shard does not fit: raise "
+                "extract.disk_budget_bytes or train the other run that owns them")
+        if config.max_rounds is not None and summary.rounds >= config.max_rounds:
+            logger.info("stopping after %d rounds (max_rounds); the next run continues", summary.rounds)
+            return
+
+
+def _detail(out) -> str:
+    """One line of what a stage did, from its summary (what a person checks first)."""
+    d = asdict(out) if hasattr(out, "__dataclass_fields__") else {}
+    keys = ("records_in", "stored_prompts", "generated", "failed", "pending_at_start", "extracted", "quarantined",
+            "shards_written", "stopped_by", "steps_this_run", "shards_deleted", "acceptance")
+    parts = []
+    for k in keys:
+        if k in d and d[k] not in (None, {}, []):
+            v = d[k]
+            if isinstance(v, dict):
+                v = ", ".join(f"{a}={b:.2f}" if isinstance(b, float) else f"{a}={b}" for a, b in v.items())
+            parts.append(f"{k}={v}" if not isinstance(v, str) or k == "stopped_by" else f"{k}: {v}")
+    return "; ".join(parts)
+
+
+def report_rows(r: dict) -> list[dict]:
+    """The closing summary as (what, value) rows: the Prefect table artifact and `eagle3 run`'s table."""
+    mib = lambda b: "-" if b is None else f"{b / 2**20:,.1f} MiB"  # noqa: E731
+    train = r.get("train") or {}
+    acc = train.get("accuracy") or []
+    cond = train.get("conditional_accuracy") or []
+    accept = r.get("acceptance") or {}
+    rows = [
+        ("records in", r["records_in"]),
+        ("records kept / exact dup / near dup / contaminated / quarantined",
+         " / ".join(str(r["record_outcomes"].get(k, 0))
+                    for k in ("kept", "exact_duplicate", "near_duplicate", "contaminated", "quarantined"))),
+        ("generations (completion tokens)", f"{r['generations']} ({r['completion_tokens']:,})"),
+        ("prompts failed at the server", r["failed_prompts"]),
+        ("samples extracted / quarantined / skipped",
+         " / ".join(str(r["samples"].get(k, 0)) for k in ("extracted", "quarantined", "skipped"))),
+        ("tokens extracted (loss-masked)", f"{r['tokens']:,} ({r['masked_tokens']:,})"),
+        ("shards written (deleted after training)",
+         f"{sum(r['shards'].values())} ({r['shards'].get('deleted', 0)}), {mib(r['shard_bytes_written'])}"),
+        ("peak disk / budget", f"{mib(r['peak_disk_bytes'])} / {mib(r['disk_budget_bytes'])}"),
+        ("training run, step", f"{train.get('run_name', '-')}, {train.get('step', '-')}"),
+        ("training accuracy, steps 0..k (last logged)", ", ".join(f"{a:.2f}" for a in acc) or "-"),
+        ("conditional accuracy, steps 0..k", ", ".join(f"{a:.2f}" for a in cond) or "-"),
+        ("exported draft", (r.get("checkpoint") or {}).get("path", "-")),
+    ]
+    for drafter, label in (("eagle3", "acceptance length: EAGLE-3 draft"),
+                           ("eagle3-final-state-only", "  baseline: same draft, final state only (EAGLE flag)"),
+                           ("prompt-lookup", "  baseline: prompt lookup (n-gram)")):
+        v = accept.get(drafter)
+        rows.append((label, "-" if v is None else f"{v:.2f}"))
+    return [{"what": k, "value": str(v)} for k, v in rows]
