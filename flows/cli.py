@@ -378,6 +378,23 @@ def serve(
             prefect_serve(*deployments, limit=limit, print_starting_message=False)
 
 
+@app.command("ui-check")
+def ui_check(
+    config: Path = ConfigOpt,
+    name: Optional[str] = typer.Option(None, "--name", help="Deployment name (default: the config file's stem)."),
+    out: Path = typer.Option(Path("runs/ui-check"), "--out", help="Where the screenshots go."),
+) -> None:
+    """Drive headless Chromium to the Prefect UI: are this config's deployments listed, does the run form render?"""
+    from flows.prefect_api import check_ui, resolve_api_url
+
+    found = check_ui(resolve_api_url(), name or config.stem, out)
+    for k, v in found.items():
+        console.print(f"{k}: {', '.join(v)}", highlight=False)
+    if not found["registered"] or found["listed"] != found["registered"]:
+        err.print("[red]not every registered deployment is listed in the UI (run `eagle3 serve` first)[/red]")
+        raise typer.Exit(1)
+
+
 @app.command()
 def lineage(
     checkpoint: str = typer.Argument(..., help="A checkpoint id (or unique prefix) or an exported draft folder."),

@@ -69,3 +69,63 @@ def resolve_api_url() -> str:
     home = Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect"))
     url, _ = start_local_api(home)
     return url
+
+
+CHROMIUM_FLAGS = [
+    # headless on a machine with no network beyond loopback: no background fetches, no sandbox as root
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+
+
+def chromium_path() -> str:
+    import shutil
+
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise FileNotFoundError("no Chromium on PATH: install it (Debian: apt-get install chromium), "
+                            "or open the UI in your own browser")
+
+
+def render_page(url: str, screenshot: Path | None = None, budget_ms: int = 20000, size: str = "1400,900") -> str:
+    """The DOM of `url` after its scripts ran (headless Chromium), and optionally a PNG of it."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="eagle3-chromium-") as profile:
+        base = [chromium_path(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--virtual-time-budget={budget_ms}",
+                f"--window-size={size}"]
+        dom = subprocess.run([*base, "--dump-dom", url], capture_output=True, text=True, timeout=120, check=True).stdout
+        if screenshot is not None:
+            screenshot.parent.mkdir(parents=True, exist_ok=True)
+            subprocess.run([*base, f"--screenshot={screenshot}", url], capture_output=True, timeout=120, check=True)
+    return dom
+
+
+def deployment_ids(api_url: str, name: str) -> dict[str, str]:
+    """flow name -> deployment id of every deployment called `name`."""
+    r = httpx.post(api_url.rstrip("/") + "/deployments/filter",
+                   json={"deployments": {"name": {"any_": [name]}}}, timeout=10)
+    r.raise_for_status()
+    flows = httpx.post(api_url.rstrip("/") + "/flows/filter",
+                       json={"flows": {"id": {"any_": [d["flow_id"] for d in r.json()]}}}, timeout=10).json()
+    flow_names = {f["id"]: f["name"] for f in flows}
+    return {flow_names[d["flow_id"]]: d["id"] for d in r.json()}
+
+
+def check_ui(api_url: str, name: str, out_dir: Path) -> dict[str, object]:
+    """Drive headless Chromium to the Prefect UI: which of `name`'s deployments the Deployments page
+    lists, and whether the pipeline's run form renders its typed parameters. PNGs go to `out_dir`."""
+    ui = api_url.rstrip("/").removesuffix("/api")
+    ids = deployment_ids(api_url, name)
+    dom = render_page(f"{ui}/deployments", out_dir / "deployments.png")
+    listed = sorted(flow for flow in ids if f">{flow}<" in dom)
+    form_fields: list[str] = []
+    if "pipeline" in ids:
+        form = render_page(f"{ui}/deployments/deployment/{ids['pipeline']}/run", out_dir / "pipeline-run-form.png",
+                           size="1400,1600")
+        form_fields = [f for f in ("Workspace", "Discover", "Sources", "Regenerate", "Extract", "Train")
+                       if f in form]
+    return {"registered": sorted(ids), "listed": listed, "form_fields": form_fields,
+            "screenshots": sorted(str(p) for p in out_dir.glob("*.png"))}

@@ -356,7 +356,7 @@ class ResourcesConfig(Strict):
                                                     "each hold one while they run.")
     server_slots: int | None = Field(default=None, ge=1, description="Slots of `eagle3-server-slots`; regenerate holds "
                                      "its endpoints' total concurrency. Default: that total.")
-    lease_seconds: float = Field(default=300, ge=30, description="A crashed holder's slots free after this long.")
+    lease_seconds: float = Field(default=300, ge=60, description="A crashed holder's slots free after this long.")
     wait_seconds: float | None = Field(default=None, gt=0, description="Give up waiting for slots after this long.")
 
 
