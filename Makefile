@@ -6,9 +6,16 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 WORKSPACE ?= runs/demo
 
-.PHONY: install demo test bench clean
+.PHONY: install browser demo serve test bench clean
 
 install: $(STAMP)
+
+# Headless Chromium drives the Prefect UI in `eagle3 ui-check` and tests/test_serve.py (Debian's package).
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y -qq chromium >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -qq >/dev/null && $$SUDO apt-get install -y -qq chromium >/dev/null; }; }
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,14 +23,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $@
 
+# The whole pipeline on the embedded default; run it again to resume (or continue) the same workspace.
 demo: install
-	$(VENV)/bin/eagle3 discover   --config configs/demo.yaml --workspace $(WORKSPACE)
-	$(VENV)/bin/eagle3 regenerate --config configs/demo.yaml --workspace $(WORKSPACE)
-	$(VENV)/bin/eagle3 extract    --config configs/demo.yaml --workspace $(WORKSPACE)
-	$(VENV)/bin/eagle3 train      --config configs/demo.yaml --workspace $(WORKSPACE)
-	$(VENV)/bin/eagle3 status     --config configs/demo.yaml --workspace $(WORKSPACE)
+	$(VENV)/bin/eagle3 run    --config configs/demo.yaml --workspace $(WORKSPACE)
+	$(VENV)/bin/eagle3 status --config configs/demo.yaml --workspace $(WORKSPACE)
 
-test: install
+# Deployments of every flow and the nightly pipeline, served until Ctrl-C (UI: http://127.0.0.1:4200).
+serve: install
+	$(VENV)/bin/eagle3 serve --config configs/demo.yaml --workspace $(WORKSPACE)
+
+test: install browser
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m pytest -q
 
 bench: install

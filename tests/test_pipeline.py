@@ -191,3 +191,44 @@ def test_a_kill_9_inside_each_stage_in_turn_then_resume_loses_and_duplicates_not
     assert _ids(store) == _ids(LineageStore(ws_a / "lineage.duckdb"))
     texts = "SELECT generation_id, completion_tokens FROM generations ORDER BY 1"
     assert store.query_readonly(texts)[1] == LineageStore(ws_a / "lineage.duckdb").query_readonly(texts)[1]
+
+
+def test_rounds_stop_when_done_and_refuse_to_spin_on_a_full_budget(prefect_api, tmp_path):
+    """The round loop alone, with stand-in stages: it continues while extract reports a full budget
+    and training frees it, stops when extract is done, and raises PipelineStuck when neither moves."""
+    from types import SimpleNamespace
+
+    from flows.pipeline import PipelineStuck, PipelineSummary, _rounds, ensure_concurrency_limits
+    from tasks.config import PipelineConfig
+
+    cfg = PipelineConfig.model_validate({"workspace": str(tmp_path), "extract": {}, "train": {"run_name": "r"}})
+    sizes = ensure_concurrency_limits(cfg.resources, None)
+    log = SimpleNamespace(info=lambda *a: None)
+
+    def stages(extracts: list[tuple[str, int]], deleted: int):
+        calls = []
+        it = iter(extracts)
+
+        def stage(name, fn, config):
+            calls.append(name)
+            if name.startswith("extract"):
+                stopped, shards = next(it)
+                return SimpleNamespace(stopped_by=stopped, shards_written=shards)
+            return SimpleNamespace(stopped_by="done", shards_deleted=deleted)
+        return stage, calls
+
+    stage, calls = stages([("budget", 3), ("budget", 2), ("done", 1)], deleted=2)
+    summary = PipelineSummary("x", str(tmp_path), "")
+    _rounds(cfg, sizes, summary, stage, log)
+    assert summary.rounds == 3 and calls == ["extract (round 1)", "train (round 1)", "extract (round 2)",
+                                             "train (round 2)", "extract (round 3)", "train (round 3)"]
+
+    stage, calls = stages([("budget", 0)], deleted=0)
+    with pytest.raises(PipelineStuck, match="disk budget"):
+        _rounds(cfg, sizes, PipelineSummary("y", str(tmp_path), ""), stage, log)
+
+    capped = cfg.model_copy(update={"max_rounds": 2})
+    stage, calls = stages([("budget", 3)] * 5, deleted=3)
+    summary = PipelineSummary("z", str(tmp_path), "")
+    _rounds(capped, sizes, summary, stage, log)
+    assert summary.rounds == 2
