@@ -49,6 +49,15 @@ def _store(config: Path, workspace: str | None) -> LineageStore:
     return LineageStore(Path(ws) / "lineage.duckdb")
 
 
+def _read(fn, *args):
+    """A read of the lineage store; its errors (no store, refused SQL) are one red line and exit 2."""
+    try:
+        return fn(*args)
+    except LineageError as e:
+        err.print(f"[red]{e}[/red]", highlight=False)
+        raise typer.Exit(2) from None
+
+
 def _print_rows(cols: list[str], rows: list[tuple], fmt: OutputFormat, title: str | None = None) -> None:
     if fmt is OutputFormat.csv:
         w = csv.writer(sys.stdout)
@@ -404,12 +413,7 @@ def lineage(
     full: bool = typer.Option(False, "--full", help="Every sample (default: counts per round and source, then 20)."),
 ) -> None:
     """Trace a checkpoint to the rounds, shards, samples, generations, prompts and source records it learned from."""
-    store = _store(config, workspace)
-    try:
-        ckpt, cols, rows = store.checkpoint_lineage(checkpoint)
-    except LineageError as e:
-        err.print(f"[red]{e}[/red]", highlight=False)
-        raise typer.Exit(2) from None
+    ckpt, cols, rows = _read(_store(config, workspace).checkpoint_lineage, checkpoint)
     if format is not OutputFormat.table or full:
         _print_rows(cols, rows, format)
         return
@@ -432,11 +436,7 @@ def sql(
     format: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f"),
 ) -> None:
     """Run read-only SQL on the lineage store; write statements are refused."""
-    try:
-        cols, rows = _store(config, workspace).query_readonly(query)
-    except LineageError as e:
-        err.print(f"[red]{e}[/red]", highlight=False)
-        raise typer.Exit(2) from None
+    cols, rows = _read(_store(config, workspace).query_readonly, query)
     _print_rows(cols, rows, format)
 
 
@@ -447,11 +447,7 @@ def status(
     format: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f"),
 ) -> None:
     """Per-stage progress: done, pending, failed, tokens, rate, ETA."""
-    try:
-        cols, rows = _store(config, workspace).progress()
-    except LineageError as e:
-        err.print(f"[red]{e}[/red]", highlight=False)
-        raise typer.Exit(2) from None
+    cols, rows = _read(_store(config, workspace).progress)
     _print_rows(cols, rows, format, title="progress")
 
 

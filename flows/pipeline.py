@@ -179,18 +179,22 @@ def _rounds(config: PipelineConfig, sizes: dict[str, int], summary: PipelineSumm
             return
 
 
+# What a person checks first in each stage's summary, in this order.
+DETAIL_FIELDS = ("records_in", "stored_prompts", "generated", "failed", "pending_at_start", "extracted", "quarantined",
+                 "shards_written", "stopped_by", "steps_this_run", "shards_deleted", "acceptance")
+
+
 def _detail(out) -> str:
-    """One line of what a stage did, from its summary (what a person checks first)."""
+    """One line of what a stage did, from its summary dataclass."""
     d = asdict(out) if hasattr(out, "__dataclass_fields__") else {}
-    keys = ("records_in", "stored_prompts", "generated", "failed", "pending_at_start", "extracted", "quarantined",
-            "shards_written", "stopped_by", "steps_this_run", "shards_deleted", "acceptance")
     parts = []
-    for k in keys:
-        if k in d and d[k] not in (None, {}, []):
-            v = d[k]
-            if isinstance(v, dict):
-                v = ", ".join(f"{a}={b:.2f}" if isinstance(b, float) else f"{a}={b}" for a, b in v.items())
-            parts.append(f"{k}={v}" if not isinstance(v, str) or k == "stopped_by" else f"{k}: {v}")
+    for k in DETAIL_FIELDS:
+        v = d.get(k)
+        if v is None or v == {}:
+            continue
+        if isinstance(v, dict):  # acceptance per drafter
+            v = ", ".join(f"{a}={b:.2f}" if isinstance(b, float) else f"{a}={b}" for a, b in v.items())
+        parts.append(f"{k}={v}")
     return "; ".join(parts)
 
 
