@@ -8,12 +8,22 @@ The work is in tasks/ (chat, vocab, extract, rounds), persistence in storage/.
 A round ends when every pending generation is done, the sample limit is reached, or the next shard
 would not fit in the disk budget; training consumes shards and deletes them, and the next
 `extract` continues with the next samples.
+
+With `workers` > 1 (or a `dask_address`) the shards of a round are extracted by Dask worker
+processes (prefect-dask), each holding its own copy of the target; this process still plans every
+shard, reserves its predicted bytes against the budget before it is submitted, and is the only one
+that writes lineage (DuckDB has one writer), committing the shards in the order they were planned.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -30,8 +40,9 @@ from storage.lineage import LineageError, LineageStore
 from storage.shards import ShardStore
 from tasks.chat import Sample, Tokenised, tokenise_rows
 from tasks.config import ExtractConfig
-from tasks.extract import Extracted, ExtractSettings, Extractor, build_extractor, default_aux_layer_ids
-from tasks.rounds import extract_key, pack_results, plan_shard, sample_id, tokenize_key
+from tasks.extract import Extractor, ExtractSettings, build_extractor, default_aux_layer_ids
+from tasks.rounds import extract_key, plan_shard, sample_id, tokenize_key
+from tasks.shard_job import ShardJob, ShardOutcome, WorkerSpec, run_shard_job, run_shard_job_on_worker
 from tasks.target import TargetIdentity, load_configured_target
 from tasks.vocab import DraftVocab, TokenCounter, build_draft_vocab, coverage_report, load_vocab, save_vocab
 
@@ -64,6 +75,8 @@ class ExtractSummary:
     removed_leftovers: int = 0
     seconds: float = 0.0
     reasons: list = field(default_factory=list)
+    workers: int = 1
+    worker_pids: list[int] = field(default_factory=list)  # the processes that extracted this run's shards
 
 
 @dataclass
@@ -197,8 +210,22 @@ def _extract(config: ExtractConfig, store: LineageStore, ws: Path, summary: Extr
     if missing:
         raise LineageError(f"{len(missing)} registered shard(s) are missing from {shards.folder} (e.g. {missing[0]}); "
                            "shards are deleted only through the pipeline")
-    extractor = build_extractor(config.backend, model, tokenizer, settings, torch.from_numpy(vocab.t2d),
-                                config.max_batch_tokens)
+    summary.workers = config.workers
+    distributed = config.workers > 1 or config.dask_address is not None
+    if distributed:
+        row = store.draft_vocab(tkey, config.draft_vocab_size)
+        spec = WorkerSpec(
+            target=config.target, backend=config.backend, settings=settings, max_batch_tokens=config.max_batch_tokens,
+            vocab_path=str(ws / row["file"]), vocab_sha256=row["sha256"],
+            identity=(identity.name, identity.revision, identity.template_id),
+            # Local workers share this machine's cores; an external cluster's workers size themselves.
+            threads=None if config.dask_address else max(1, (os.cpu_count() or 1) // config.workers))
+        executor, max_in_flight = _on_workers(config, spec, shards, logger), 2 * config.workers
+    else:
+        extractor = build_extractor(config.backend, model, tokenizer, settings, torch.from_numpy(vocab.t2d),
+                                    config.max_batch_tokens)
+        executor, max_in_flight = _in_process(extractor, shards), 1
+    del model  # with workers, this process needs the target's tokenizer and config only
 
     pending = store.pending_generations(ekey, config.generation_params_keys, config.limit)
     summary.pending_at_start = len(pending)
@@ -206,7 +233,8 @@ def _extract(config: ExtractConfig, store: LineageStore, ws: Path, summary: Extr
     if not pending:
         logger.info("nothing to extract: every generation has a sample under extract key %s", ekey)
     else:
-        _rounds(ctx, pending, ekey, settings, hidden_size, extractor, shards, summary, logger)
+        with executor as submit:
+            _rounds(ctx, pending, ekey, settings, hidden_size, submit, max_in_flight, shards, summary, logger)
     summary.disk_used_bytes = shards.used_bytes()
     summary.seconds = time.monotonic() - started
     counts = store.extract_summary(summary.run_id)
@@ -222,18 +250,107 @@ def _extract(config: ExtractConfig, store: LineageStore, ws: Path, summary: Extr
         {"what": k, "value": json.dumps(v) if isinstance(v, (dict, list)) else v} for k, v in report.items()])
 
 
+# A submit function: it takes a planned shard and returns a function that waits for its outcome.
+Submit = Callable[[ShardJob], Callable[[], ShardOutcome]]
+
+# The job as a Prefect task, so that each shard a worker extracts is a task run of this flow run.
+# No retries: a retry would find its own half-committed file name taken; the next run redoes it.
+shard_task = task(run_shard_job_on_worker, name="extract-shard", cache_policy=NO_CACHE)
+
+
+@contextmanager
+def _in_process(extractor: Extractor, shards: ShardStore) -> Iterator[Submit]:
+    """Jobs run here, at submission (workers = 1: as the flow always did)."""
+    def submit(job: ShardJob) -> Callable[[], ShardOutcome]:
+        outcome = run_shard_job(extractor, shards, job)
+        return lambda: outcome
+    yield submit
+
+
+@contextmanager
+def _on_workers(config: ExtractConfig, spec: WorkerSpec, shards: ShardStore, logger) -> Iterator[Submit]:
+    """Jobs run as `extract-shard` task runs on Dask workers: `config.workers` local processes, or
+    the cluster at `config.dask_address`. The cluster lives as long as the block."""
+    from prefect_dask import DaskTaskRunner
+
+    if config.dask_address:
+        runner = DaskTaskRunner(address=config.dask_address)
+        logger.info("extracting on the Dask cluster at %s", config.dask_address)
+    else:
+        # One Dask thread per worker process: torch parallelises inside it (spec.threads). No
+        # memory limit: the target a worker holds is not Dask data, and the nanny would kill a
+        # worker whose model alone passes total/workers. Dashboard on loopback, any free port:
+        # runs in other workspaces may overlap.
+        runner = DaskTaskRunner(cluster_kwargs={"n_workers": config.workers, "threads_per_worker": 1, "processes": True,
+                                                "memory_limit": 0, "dashboard_address": "127.0.0.1:0"})
+        logger.info("extracting on %d local worker processes, %s torch thread(s) each", config.workers, spec.threads)
+    # No PREFECT_API_URL in os.environ needed: prefect-dask sends the settings context with every task,
+    # so a URL the CLI set with `temporary_settings` reaches the workers' task runs and logs.
+    with _quiet("distributed"), runner:
+        def submit(job: ShardJob) -> Callable[[], ShardOutcome]:
+            future = runner.submit(shard_task, parameters={"spec": spec, "shard_folder": str(shards.folder),
+                                                           "disk_budget_bytes": shards.budget, "job": job})
+            return future.result
+        yield submit
+
+
+@contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    """Warnings and errors only from `logger_name` in the block: the local cluster's scheduler and
+    nannies run in this process and log every start, connection and close at INFO."""
+    log = logging.getLogger(logger_name)
+    before = log.level
+    log.setLevel(max(before, logging.WARNING))
+    try:
+        yield
+    finally:
+        log.setLevel(before)
+
+
+@dataclass
+class _InFlight:
+    job: ShardJob
+    taken: list[tuple[str, str, Tokenised]]  # (sample id, generation id, tokenised), in job order
+    reserved: int  # predicted bytes: counted against the budget until the shard is committed
+    wait: Callable[[], ShardOutcome]
+
+
 def _rounds(ctx: StageContext, pending: list[tuple[str, str, str]], ekey: str, settings: ExtractSettings,
-            hidden_size: int, extractor: Extractor, shards: ShardStore, summary: ExtractSummary, logger) -> None:
+            hidden_size: int, submit: Submit, max_in_flight: int, shards: ShardStore, summary: ExtractSummary,
+            logger) -> None:
     store, cfg = ctx.store, ctx.config
     artifact_id = create_progress_artifact(progress=0.0, key="extract-progress", description="extract: generations done")
     seq = store.shard_count()
     queue: list[tuple[str, str, Tokenised]] = []  # (sample id, generation id, tokenised) awaiting a shard
     no_shard_rows: list[dict] = []  # skipped samples: recorded with the next commit
+    in_flight: deque[_InFlight] = deque()  # submitted, not yet committed; committed oldest first
+    # Bytes on disk of shards not in flight. Refreshed from the folder whenever nothing is in flight;
+    # while jobs are, their files (whole or partly written) are covered by their reservations instead.
+    settled = 0
+    pids: set[int] = set()
     done = tokens = 0
     started = time.monotonic()
     with Progress(TextColumn("extract"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
                   TimeRemainingColumn(), transient=True) as bar:
-        job = bar.add_task("extract", total=len(pending), rate="")
+        job_bar = bar.add_task("extract", total=len(pending), rate="")
+
+        def commit_oldest() -> None:
+            # In planning order: sequence numbers restart from the committed count after a crash,
+            # so a later shard committed before an earlier one could collide with a name reused then.
+            nonlocal no_shard_rows, settled, done, tokens
+            f = in_flight.popleft()
+            outcome = f.wait()
+            n_tokens = _commit(ctx, f, outcome, ekey, no_shard_rows, summary)
+            no_shard_rows = []
+            settled += outcome.shard.bytes if outcome.shard else 0
+            pids.add(outcome.pid)
+            summary.peak_disk_bytes = max(summary.peak_disk_bytes, shards.used_bytes())
+            done += len(f.taken)
+            tokens += n_tokens
+            rate = tokens / max(time.monotonic() - started, 1e-6)
+            bar.update(job_bar, completed=done, rate=f"{rate:,.0f} tok/s, {shards.used_bytes() / 2**20:,.1f} MiB")
+            update_progress_artifact(artifact_id, progress=100.0 * done / len(pending))
+
         for start in range(0, len(pending) + 1, READ_CHUNK):
             chunk = pending[start:start + READ_CHUNK]
             for (gid, _, _), t in zip(chunk, ctx.tokenise(chunk) if chunk else []):
@@ -244,10 +361,15 @@ def _rounds(ctx: StageContext, pending: list[tuple[str, str, str]], ekey: str, s
                     no_shard_rows.append(_sample_row(sid, gid, ekey, t, "skipped"))
             exhausted = start + READ_CHUNK >= len(pending)
             while queue:
+                if not in_flight:
+                    settled = shards.used_bytes()
                 lengths = [t.result.num_tokens for _, _, t in queue]  # type: ignore[union-attr]
-                room = cfg.disk_budget_bytes - shards.used_bytes()
+                room = cfg.disk_budget_bytes - settled - sum(f.reserved for f in in_flight)
                 plan = plan_shard(lengths, [s for s, _, _ in queue], ekey, settings, hidden_size, cfg.shard_bytes, room)
                 if plan.count == 0:
+                    if in_flight:
+                        commit_oldest()  # a committed shard frees its reservation (quarantine makes it smaller)
+                        continue
                     summary.stopped_by = "budget"
                     logger.info("disk budget reached: %d B used of %d B, the next shard needs %d B; "
                                 "train on (and delete) the written shards, then extract again",
@@ -257,49 +379,47 @@ def _rounds(ctx: StageContext, pending: list[tuple[str, str, str]], ekey: str, s
                     break  # a fuller shard is possible once the next chunk is tokenised
                 taken, queue = queue[:plan.count], queue[plan.count:]
                 seq += 1
-                _, n_tokens = _write_shard(ctx, taken, ekey, settings, extractor, shards, seq, no_shard_rows, summary)
-                no_shard_rows = []
-                summary.peak_disk_bytes = max(summary.peak_disk_bytes, shards.used_bytes())
-                done += len(taken)
-                tokens += n_tokens
-                rate = tokens / max(time.monotonic() - started, 1e-6)
-                bar.update(job, completed=done, rate=f"{rate:,.0f} tok/s, {shards.used_bytes() / 2**20:,.1f} MiB")
-                update_progress_artifact(artifact_id, progress=100.0 * done / len(pending))
+                job = ShardJob(name=f"{ekey[:8]}-{seq:06d}.safetensors", extract_key=ekey, settings=settings,
+                               sample_ids=[s for s, _, _ in taken],
+                               samples=[(t.result.input_ids, t.result.loss_mask) for _, _, t in taken])  # type: ignore[union-attr]
+                in_flight.append(_InFlight(job, taken, plan.predicted_bytes, submit(job)))
+                while len(in_flight) >= max_in_flight:
+                    commit_oldest()
             if summary.stopped_by == "budget" or exhausted:
                 break
+        while in_flight:
+            commit_oldest()
         if no_shard_rows:
             store.write_extract_batch(summary.run_id, None, no_shard_rows)
+    summary.worker_pids = sorted(pids)
     if summary.stopped_by == "done" and cfg.limit is not None and len(pending) == cfg.limit:
         summary.stopped_by = "limit"
 
 
-def _write_shard(ctx: StageContext, taken: list[tuple[str, str, Tokenised]], ekey: str, settings: ExtractSettings,
-                 extractor: Extractor, shards: ShardStore, seq: int, extra_rows: list[dict],
-                 summary: ExtractSummary) -> tuple[int, int]:
-    """Extract one planned shard, write it, then commit it with every sample's outcome."""
-    samples = [(t.result.input_ids, t.result.loss_mask) for _, _, t in taken]  # type: ignore[union-attr]
-    results = extractor.extract(samples)
-    sids = [s for s, _, _ in taken]
-    tensors, meta, kept = pack_results(results, sids, ekey, settings)
-    name = f"{ekey[:8]}-{seq:06d}.safetensors"
+def _commit(ctx: StageContext, f: _InFlight, outcome: ShardOutcome, ekey: str, extra_rows: list[dict],
+            summary: ExtractSummary) -> int:
+    """Commit one written shard with every sample's outcome (and `extra_rows`); its tokens."""
+    expected_kept = [i for i, r in enumerate(outcome.reasons) if r is None]
+    if outcome.name != f.job.name or len(outcome.reasons) != len(f.taken) or outcome.kept != expected_kept:
+        raise RuntimeError(f"shard {f.job.name}: the job's outcome does not match its samples")
     shard_row = None
-    if tensors is not None:
-        info = shards.write(name, tensors, meta)
-        kept_samples = [taken[i][2].result for i in kept]
-        shard_row = {"shard": name, "extract_key": ekey, "bytes": info.bytes, "sha256": info.sha256,
-                     "samples": len(kept), "tokens": sum(s.num_tokens for s in kept_samples),  # type: ignore[union-attr]
+    if outcome.shard is not None:
+        kept_samples = [f.taken[i][2].result for i in outcome.kept]
+        shard_row = {"shard": outcome.name, "extract_key": ekey, "bytes": outcome.shard.bytes,
+                     "sha256": outcome.shard.sha256, "samples": len(outcome.kept),
+                     "tokens": sum(s.num_tokens for s in kept_samples),  # type: ignore[union-attr]
                      "masked_tokens": sum(s.num_masked for s in kept_samples)}  # type: ignore[union-attr]
         summary.shards_written += 1
-        summary.bytes_written += info.bytes
-    slot = {i: j for j, i in enumerate(kept)}
+        summary.bytes_written += outcome.shard.bytes
+    slot = {i: j for j, i in enumerate(outcome.kept)}
     rows = list(extra_rows)
-    for i, ((sid, gid, t), r) in enumerate(zip(taken, results)):
-        if isinstance(r, Extracted):
-            rows.append(_sample_row(sid, gid, ekey, t, "extracted", shard=name, index=slot[i]))
+    for i, ((sid, gid, t), reason) in enumerate(zip(f.taken, outcome.reasons)):
+        if reason is None:
+            rows.append(_sample_row(sid, gid, ekey, t, "extracted", shard=outcome.name, index=slot[i]))
         else:
-            rows.append(_sample_row(sid, gid, ekey, t, "quarantined", reason=r.reason))
+            rows.append(_sample_row(sid, gid, ekey, t, "quarantined", reason=reason))
     ctx.store.write_extract_batch(summary.run_id, shard_row, rows)
-    return len(taken), shard_row["tokens"] if shard_row else 0
+    return shard_row["tokens"] if shard_row else 0
 
 
 def summary_table(s: ExtractSummary) -> list[dict]:
@@ -322,4 +442,5 @@ def summary_table(s: ExtractSummary) -> list[dict]:
         {"what": "draft vocab coverage", "value": round(s.vocab_coverage, 4)},
         {"what": "aux layer ids (output of layer i)", "value": str(s.aux_layer_ids)},
         {"what": "uncommitted shard files removed", "value": s.removed_leftovers},
+        {"what": "extraction workers", "value": s.workers},
     ]

@@ -165,8 +165,10 @@ def encoded_size(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | No
 
 
 class ShardStore:
-    """Shards in one folder under a disk budget. One writer per folder (the budget check and
-    the no-overwrite check are not safe against a concurrent writer)."""
+    """Shards in one folder under a disk budget. The budget check and the no-overwrite check are
+    not safe against a concurrent writer: several processes may write into one folder only when
+    one planner gives each write a distinct name and reserves its bytes against the budget first
+    (the extract flow with workers does)."""
 
     def __init__(self, folder: Path, disk_budget_bytes: int) -> None:
         self.folder = Path(folder)
