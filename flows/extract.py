@@ -320,7 +320,7 @@ def _rounds(ctx: StageContext, pending: list[tuple[str, str, str]], ekey: str, s
             logger) -> None:
     store, cfg = ctx.store, ctx.config
     artifact_id = create_progress_artifact(progress=0.0, key="extract-progress", description="extract: generations done")
-    seq = store.shard_count()
+    seq = store.last_shard_seq()
     queue: list[tuple[str, str, Tokenised]] = []  # (sample id, generation id, tokenised) awaiting a shard
     no_shard_rows: list[dict] = []  # skipped samples: recorded with the next commit
     in_flight: deque[_InFlight] = deque()  # submitted, not yet committed; committed oldest first
@@ -335,7 +335,7 @@ def _rounds(ctx: StageContext, pending: list[tuple[str, str, str]], ekey: str, s
         job_bar = bar.add_task("extract", total=len(pending), rate="")
 
         def commit_oldest() -> None:
-            # In planning order: sequence numbers restart from the committed count after a crash,
+            # In planning order: sequence numbers restart from the highest committed one after a crash,
             # so a later shard committed before an earlier one could collide with a name reused then.
             nonlocal no_shard_rows, settled, done, tokens
             f = in_flight.popleft()

@@ -946,11 +946,14 @@ class LineageStore:
             cols = [d[0] for d in res.description]
             return {r[0]: dict(zip(cols, r)) for r in res.fetchall()}
 
-    def shard_count(self) -> int:
+    def last_shard_seq(self) -> int:
+        """The highest sequence number among registered shards (`<key>-<seq>.safetensors`). Not their
+        count: a shard whose samples were all quarantined takes a number but leaves no row."""
         if not self.path.exists():
             return 0
         with self.read() as con:
-            return con.execute("SELECT count(*) FROM shards").fetchall()[0][0]
+            return con.execute("SELECT coalesce(max(CAST(regexp_extract(shard, '-([0-9]+)[.]safetensors$', 1) AS BIGINT)), 0) "
+                               "FROM shards").fetchall()[0][0]
 
     def write_extract_batch(self, run_id: str, shard_row: dict | None, sample_rows: list[dict]) -> None:
         """A shard's lineage and the outcome of every sample of its batch, in one transaction.

@@ -153,6 +153,32 @@ def test_non_finite_states_quarantine_exactly_that_sample(prefect_api, tmp_path,
     assert_exactly_once(workspace, store, 10)
 
 
+def test_a_shard_whose_samples_all_quarantine_does_not_let_a_later_run_reuse_a_live_name(
+        prefect_api, tmp_path, workspace, tiny_target, monkeypatch):
+    # One sample per shard; the second shard's sample is poisoned, so its number leaves no row.
+    # Numbering the next run's shards by the count of rows would name one like a live shard.
+    import_generations(workspace, tmp_path, conversations(6, seed=6))
+    real = HFExtractor._forward
+    calls = {"n": 0}
+
+    def poisoned(self, input_ids, attention):
+        hs = list(real(self, input_ids, attention))
+        calls["n"] += 1
+        if calls["n"] == 2:
+            hs[2] = torch.full_like(hs[2], float("nan"))
+        return tuple(hs)
+
+    monkeypatch.setattr(HFExtractor, "_forward", poisoned)
+    first = extract(extract_config(workspace, tiny_target, shard_bytes=1, limit=3))
+    assert (first.extracted, first.quarantined, first.shards_written) == (2, 1, 2)
+    second = extract(extract_config(workspace, tiny_target, shard_bytes=1))
+    assert (second.extracted, second.shards_written) == (3, 3)
+    store = LineageStore(workspace / "lineage.duckdb")
+    names = sorted(store.live_shards())
+    assert len(names) == len(set(names)) == 5
+    assert_exactly_once(workspace, store, 6)
+
+
 def test_a_corrupted_shard_is_detected_by_its_checksum(prefect_api, tmp_path, workspace, tiny_target):
     import_generations(workspace, tmp_path, conversations(6, seed=4))
     extract(extract_config(workspace, tiny_target))
