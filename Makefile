@@ -41,6 +41,8 @@ bench: install
 	$(PY) benchmarks/extract.py
 	$(PY) benchmarks/train.py
 	$(PY) benchmarks/teacher_storage.py
+	$(PY) benchmarks/extract_workers.py
+	$(PY) benchmarks/pipeline.py
 
 clean:
 	rm -rf runs .pytest_cache
