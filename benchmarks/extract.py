@@ -59,7 +59,6 @@ removed at the end (`--keep` keeps it).
 from __future__ import annotations
 
 import argparse
-import atexit
 import datetime
 import gc
 import hashlib
@@ -82,18 +81,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 # Prefect reads its settings at import: set them before anything imports it (part 3 starts the server).
-_PREFECT_HOME: Path | None = None
-if not os.environ.get("PREFECT_API_URL"):
-    from serving.launch import free_port  # imports no Prefect
+from report import private_prefect_env  # noqa: E402  (benchmarks/report.py, beside this script)
 
-    _PREFECT_HOME = Path(tempfile.mkdtemp(prefix="eagle3-bench-prefect-"))
-    atexit.register(shutil.rmtree, _PREFECT_HOME, ignore_errors=True)  # also after --help or an error
-    os.environ["PREFECT_HOME"] = str(_PREFECT_HOME)
-    os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{free_port()}/api"
-os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
-os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+_PREFECT_HOME = private_prefect_env()
 
 import torch  # noqa: E402
 from report import Clock, load, mib, table  # noqa: E402  (benchmarks/report.py, beside this script)
@@ -263,7 +253,7 @@ class Extraction:
         self.kept_shard: tuple[str, str, int] | None = None  # (name, sha256, bytes) of the first kept run
 
     def run(self, samples, probe: Probe, keep: bool) -> dict:
-        """Extract, pack, write one shard of `samples` (the flow's `_write_shard` minus lineage)."""
+        """Extract, pack, write one shard of `samples` (as `tasks.shard_job.run_shard_job`, minus lineage)."""
         gc.collect()
         probe.reset()
         self.seq += 1

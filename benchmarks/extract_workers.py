@@ -28,7 +28,6 @@ Everything is written under a temporary directory removed at the end (`--keep` k
 from __future__ import annotations
 
 import argparse
-import atexit
 import datetime
 import json
 import os
@@ -45,18 +44,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 # Prefect reads its settings at import: set them before anything imports it. Worker processes
 # re-import this module (spawn): they must not start servers, hence the main guard below.
-_PREFECT_HOME: Path | None = None
-if not os.environ.get("PREFECT_API_URL"):
-    from serving.launch import free_port  # imports no Prefect
+from report import private_prefect_env  # noqa: E402  (benchmarks/report.py, beside this script)
 
-    _PREFECT_HOME = Path(tempfile.mkdtemp(prefix="eagle3-bench-prefect-"))
-    atexit.register(shutil.rmtree, _PREFECT_HOME, ignore_errors=True)
-    os.environ["PREFECT_HOME"] = str(_PREFECT_HOME)
-    os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{free_port()}/api"
-os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
-os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+_PREFECT_HOME = private_prefect_env()
 
 MAX_LENGTH = 1024
 

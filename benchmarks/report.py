@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 
 def table(title: str, header: list[str], rows: list[list]) -> str:
@@ -41,3 +45,22 @@ class Clock:
     def read(self) -> tuple[float, float]:
         self.sync()
         return time.perf_counter() - self.w, time.process_time() - self.c
+
+
+def private_prefect_env() -> Path | None:
+    """Point Prefect at a fresh local server's home and port unless PREFECT_API_URL is set; returns
+    that home (the caller starts the server there) or None. Call before anything imports Prefect:
+    it reads its settings at import."""
+    home = None
+    if not os.environ.get("PREFECT_API_URL"):
+        from serving.launch import free_port  # imports no Prefect
+
+        home = Path(tempfile.mkdtemp(prefix="eagle3-bench-prefect-"))
+        atexit.register(shutil.rmtree, home, ignore_errors=True)  # also after --help or an error
+        os.environ["PREFECT_HOME"] = str(home)
+        os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{free_port()}/api"
+    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    return home
