@@ -380,7 +380,8 @@ def serve(
             for d in deployments:
                 d.apply()
         for d in deployments:
-            when = f"cron {cfg.schedule.cron} {cfg.schedule.timezone}" if d.schedules else "on demand"
+            when = (f"cron {d.schedules[0].schedule.cron} {d.schedules[0].schedule.timezone}" if d.schedules
+                    else "on demand")
             console.print(f"deployment {d.flow_name}/{d.name}: {when}", highlight=False)
         console.print(f"UI: {url.removesuffix('/api')}/deployments", highlight=False)
         if not register_only:
