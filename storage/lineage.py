@@ -464,17 +464,13 @@ MIGRATIONS: list[tuple[int, str, str]] = [
                 SELECT coalesce(max((train_config->>'epochs')::INTEGER), 1) AS epochs FROM train_runs
             ), train_counts AS (
                 -- a shard counts as trained once a completed round lists it; written shards wait
-                SELECT
-                    (SELECT count(*) FROM shards s WHERE EXISTS (
-                        SELECT 1 FROM train_rounds r WHERE list_contains(r.shards, s.shard))) AS done_shards,
-                    (SELECT coalesce(sum(samples), 0) FROM shards s WHERE EXISTS (
-                        SELECT 1 FROM train_rounds r WHERE list_contains(r.shards, s.shard))) AS done,
-                    (SELECT coalesce(sum(tokens), 0) FROM shards s WHERE EXISTS (
-                        SELECT 1 FROM train_rounds r WHERE list_contains(r.shards, s.shard))) AS tokens,
-                    (SELECT coalesce(sum(samples), 0) FROM shards s WHERE NOT EXISTS (
-                        SELECT 1 FROM train_rounds r WHERE list_contains(r.shards, s.shard))) AS pending,
-                    (SELECT coalesce(sum(tokens), 0) FROM shards s WHERE NOT EXISTS (
-                        SELECT 1 FROM train_rounds r WHERE list_contains(r.shards, s.shard))) AS pending_tokens
+                SELECT coalesce(sum(samples) FILTER (WHERE trained), 0) AS done,
+                       coalesce(sum(tokens) FILTER (WHERE trained), 0) AS tokens,
+                       coalesce(sum(samples) FILTER (WHERE NOT trained), 0) AS pending,
+                       coalesce(sum(tokens) FILTER (WHERE NOT trained), 0) AS pending_tokens
+                FROM (SELECT s.samples, s.tokens,
+                             EXISTS (SELECT 1 FROM train_rounds r WHERE list_contains(r.shards, s.shard)) AS trained
+                      FROM shards s)
             ), train_row AS (
                 SELECT 'train' AS stage, c.done, c.pending, 0::BIGINT AS failed, c.tokens::HUGEINT AS tokens,
                        (SELECT round(tok_s, 1) FROM train_pace) AS rate_per_s,
