@@ -48,6 +48,18 @@ def prefect_api() -> str:
                 proc.kill()
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Small matmuls: one torch thread is as fast, and does not stall (10x) when another process
+    holds the second core, as parallel test runs do. Restored after the module."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def workspace(tmp_path: Path) -> Path:
     ws = tmp_path / "ws"

@@ -54,14 +54,7 @@ def _samples(n: int, lo: int, hi: int, seed: int) -> list[tuple[list[int], list[
     return out
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These tests run small matmuls: one torch thread is as fast, and does not stall (10x) when
-    another process holds the second core, as parallel test runs do. Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -22,13 +22,7 @@ TARGET_CACHE = Path(tempfile.gettempdir()) / "eagle3-test-targets"  # shared wit
 V, H, N_DRAFT, LAYERS, AUX = 512, 64, 128, 6, (1, 2, 4)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small matmuls: one torch thread is as fast and does not stall when another process holds the other core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -131,20 +131,30 @@ def test_rounds_fill_the_budget_and_continue_after_consumed_shards_are_deleted(p
         store.mark_shard_deleted(next(k for k, v in store.live_shards().items() if v["state"] == "written"))
 
 
-def test_non_finite_states_quarantine_exactly_that_sample(prefect_api, tmp_path, workspace, tiny_target, monkeypatch):
-    import_generations(workspace, tmp_path, conversations(10, seed=3))
+def poison_aux_layer_1(monkeypatch, forward_call: int, poison) -> None:
+    """Replace the aux-layer-1 states (`hidden_states[2]`) of the extractor's n-th forward by `poison(states)`."""
     real = HFExtractor._forward
     calls = {"n": 0}
 
     def poisoned(self, input_ids, attention):
         hs = list(real(self, input_ids, attention))
         calls["n"] += 1
-        if calls["n"] == 1:
-            hs[2] = hs[2].clone()
-            hs[2][0, 0, 0] = float("nan")  # the first sample of the first batch, aux layer 1
+        if calls["n"] == forward_call:
+            hs[2] = poison(hs[2])
         return tuple(hs)
 
     monkeypatch.setattr(HFExtractor, "_forward", poisoned)
+
+
+def test_non_finite_states_quarantine_exactly_that_sample(prefect_api, tmp_path, workspace, tiny_target, monkeypatch):
+    import_generations(workspace, tmp_path, conversations(10, seed=3))
+
+    def one_value(aux1):
+        aux1 = aux1.clone()
+        aux1[0, 0, 0] = float("nan")  # the first sample of the first batch
+        return aux1
+
+    poison_aux_layer_1(monkeypatch, forward_call=1, poison=one_value)
     s = extract(extract_config(workspace, tiny_target))
     assert (s.extracted, s.quarantined) == (9, 1)
     store = LineageStore(workspace / "lineage.duckdb")
@@ -158,17 +168,7 @@ def test_a_shard_whose_samples_all_quarantine_does_not_let_a_later_run_reuse_a_l
     # One sample per shard; the second shard's sample is poisoned, so its number leaves no row.
     # Numbering the next run's shards by the count of rows would name one like a live shard.
     import_generations(workspace, tmp_path, conversations(6, seed=6))
-    real = HFExtractor._forward
-    calls = {"n": 0}
-
-    def poisoned(self, input_ids, attention):
-        hs = list(real(self, input_ids, attention))
-        calls["n"] += 1
-        if calls["n"] == 2:
-            hs[2] = torch.full_like(hs[2], float("nan"))
-        return tuple(hs)
-
-    monkeypatch.setattr(HFExtractor, "_forward", poisoned)
+    poison_aux_layer_1(monkeypatch, forward_call=2, poison=lambda aux1: torch.full_like(aux1, float("nan")))
     first = extract(extract_config(workspace, tiny_target, shard_bytes=1, limit=3))
     assert (first.extracted, first.quarantined, first.shards_written) == (2, 1, 2)
     second = extract(extract_config(workspace, tiny_target, shard_bytes=1))
