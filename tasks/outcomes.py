@@ -7,11 +7,18 @@ The order, and why:
 1. quarantined: the record is unreadable or is not a usable conversation (tasks.prompts).
 2. contaminated: its system/user text shares an n-gram with an eval item. Checked before dedupe
    so a contaminated prompt never becomes the kept copy that others are duplicates of.
-3. exact_duplicate: its prompt id (hash of the canonical text) is already stored or appeared
-   earlier in the batch.
+3. exact_duplicate: its prompt id (hash of the canonical text) is already stored, was seen in an
+   earlier batch, or appeared earlier in the batch.
 4. near_duplicate: MinHash/LSH finds an earlier kept prompt (stored or in this batch) at or above
    the Jaccard threshold; `duplicate_of` names the kept prompt heading its cluster.
 5. kept.
+
+`duplicate_of` always names a kept prompt (kept in this batch, or stored, and stored prompts are
+only ever kept ones), never a prompt that was itself a duplicate: chains are resolved here, when
+the outcome is decided. So an exact twin of a record that turned out a near duplicate (in this
+batch or an earlier one) names the kept prompt its twin duplicates, with its twin's similarity;
+its own `prompt_id` still says which text it is. The outcome stays `exact_duplicate` (its text was
+seen before), so how many records are exact duplicates does not depend on the order they came in.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 
 from storage.lineage import LineageStore
 from tasks.config import NearDedupeConfig
@@ -71,6 +79,50 @@ def _prior_candidates(store: LineageStore, params: str, keys: np.ndarray, num_pe
     return (idx, np.array([pos[p] for p in prompt_ids], dtype=np.int64)), prior_sig, unique_ids
 
 
+def _earlier_twins(store: LineageStore, prompt_ids: list[str]) -> dict[str, tuple[str, float | None]]:
+    """Prompt ids (not stored as prompts) that earlier records were duplicates with, mapped to the
+    stored kept prompt their chain ends at and the similarity recorded on the way.
+
+    Follows `duplicate_of` through earlier duplicate records until it reaches a stored prompt, so
+    rows written before chains were resolved at decision time still lead to a kept prompt. An id
+    whose chain ends nowhere is left out: its record then goes through near-dedupe as new.
+    """
+    if not prompt_ids or not store.path.exists():
+        return {}
+    resolved: dict[str, tuple[str, float | None]] = {}
+    with store.read() as con:
+        # start id -> (id reached, lowest similarity on the way); one step a round, cycles cut at 32.
+        frontier = {p: (p, None) for p in prompt_ids}
+        for _ in range(32):
+            if not frontier:
+                break
+            con.register("ids_in", pa.table({"prompt_id": sorted({cur for cur, _ in frontier.values()})}))
+            rows = con.execute(
+                "SELECT r.prompt_id, r.duplicate_of, r.similarity, p.prompt_id IS NOT NULL FROM records r "
+                "JOIN ids_in USING (prompt_id) LEFT JOIN prompts p ON p.prompt_id = r.duplicate_of "
+                "WHERE r.outcome IN ('exact_duplicate', 'near_duplicate') AND r.duplicate_of IS NOT NULL "
+                "AND r.duplicate_of <> r.prompt_id "
+                "ORDER BY r.recorded_at, r.source, r.record_key"
+            ).fetchall()
+            con.unregister("ids_in")
+            step: dict[str, tuple[str, float | None, bool]] = {}
+            for pid, dup, sim, is_kept in rows:
+                if pid not in step or (is_kept and not step[pid][2]):  # the first, or the first to a kept prompt
+                    step[pid] = (dup, sim, bool(is_kept))
+            nxt = {}
+            for start, (cur, sim) in frontier.items():
+                if cur not in step:
+                    continue
+                dup, s, is_kept = step[cur]
+                sim = s if sim is None else sim if s is None else min(sim, s)
+                if is_kept:
+                    resolved[start] = (dup, sim)
+                else:
+                    nxt[start] = (dup, sim)
+            frontier = nxt
+    return resolved
+
+
 def decide_outcomes(
     records: list[RawRecord],
     formats: dict[str, tuple[str, str, str]],
@@ -103,18 +155,30 @@ def decide_outcomes(
                                reason=f"shares a {contamination.ngram}-gram with {item}")
         candidates = clean
 
-    stored = store.existing_prompt_ids(sorted({p.prompt_id for _, p in candidates}))
+    batch_ids = sorted({p.prompt_id for _, p in candidates})
+    stored = store.existing_prompt_ids(batch_ids)
+    earlier = _earlier_twins(store, [p for p in batch_ids if p not in stored])
     first_seen: set[str] = set()
     unique: list[tuple[int, Prompt]] = []
+    twins: list[tuple[int, Prompt]] = []  # exact duplicates of an earlier record of this batch
     for i, p in candidates:
-        if p.prompt_id in stored or p.prompt_id in first_seen:
-            where = "a stored prompt" if p.prompt_id in stored else "an earlier record of this batch"
+        if p.prompt_id in stored:
             rows[i] = _row(records[i], "exact_duplicate", p, duplicate_of=p.prompt_id,
-                           reason=f"same canonical text as {where}")
+                           reason="same canonical text as a stored prompt")
+        elif p.prompt_id in earlier:
+            target, sim = earlier[p.prompt_id]
+            rows[i] = _row(records[i], "exact_duplicate", p, duplicate_of=target, similarity=sim,
+                           reason="same canonical text as a record of an earlier batch, itself a "
+                                  "duplicate of a stored prompt")
+        elif p.prompt_id in first_seen:
+            twins.append((i, p))
         else:
             first_seen.add(p.prompt_id)
             unique.append((i, p))
 
+    # prompt id of a near duplicate of this batch -> (kept prompt it names, similarity, where that is)
+    near_of: dict[str, tuple[str, float, str]] = {}
+    kept_targets = set(stored) | {t for t, _ in earlier.values()}
     minhash = None
     if near.enabled and unique:
         params = minhash_params_key(near)
@@ -130,8 +194,13 @@ def decide_outcomes(
             if d < 0:
                 kept_pos.append(k)
                 continue
+            # `cluster` roots every cluster at its earliest member, which is never a duplicate:
+            # a stored (kept) prompt, or a batch text kept below.
             target = prior_ids[d - n] if d >= n else unique[d][1].prompt_id
+            if d >= n:
+                kept_targets.add(target)
             where = "a stored prompt" if d >= n else "an earlier record of this batch"
+            near_of[p.prompt_id] = (target, float(result.similarity[k]), where)
             rows[i] = _row(records[i], "near_duplicate", p, duplicate_of=target,
                            similarity=float(result.similarity[k]),
                            reason=f"estimated Jaccard {result.similarity[k]:.2f} with {where}")
@@ -139,6 +208,16 @@ def decide_outcomes(
         minhash = (params, [p.prompt_id for _, p in kept], sig[kept_pos], keys[kept_pos])
     else:
         kept = unique
+
+    for i, p in twins:
+        if p.prompt_id in near_of:  # its twin is a near duplicate: name the kept prompt it names
+            target, sim, where = near_of[p.prompt_id]
+            rows[i] = _row(records[i], "exact_duplicate", p, duplicate_of=target, similarity=sim,
+                           reason=f"same canonical text as an earlier record of this batch, itself a near "
+                                  f"duplicate (estimated Jaccard {sim:.2f}) of {where}")
+        else:
+            rows[i] = _row(records[i], "exact_duplicate", p, duplicate_of=p.prompt_id,
+                           reason="same canonical text as an earlier record of this batch")
 
     prompts = []
     for i, p in kept:
@@ -154,6 +233,9 @@ def decide_outcomes(
             "format": p.format,
         })
     assert all(r is not None for r in rows), "every record gets an outcome"
+    kept_targets.update(p.prompt_id for _, p in kept)
+    assert all(r["duplicate_of"] in kept_targets for r in rows if r["duplicate_of"] is not None), \
+        "every duplicate names a kept prompt"
     return DiscoverBatch(rows, prompts, minhash)
 
 

@@ -1,16 +1,23 @@
-"""MinHash/LSH: unbiased Jaccard estimates, planted near-duplicates found, determinism across processes."""
+"""MinHash/LSH: unbiased Jaccard estimates, planted near-duplicates found, determinism across processes;
+and discover outcomes whose `duplicate_of` always names a kept prompt."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 
+from storage.lineage import LineageStore
+from tasks.config import NearDedupeConfig
 from tasks.dedupe import band_keys, cluster, lsh_params, ngram_hashes, signatures
+from tasks.outcomes import decide_outcomes
 from tasks.prompts import canonical_text
+from tasks.sources import RawRecord
 
 VOCAB = [f"w{i}" for i in range(20_000)]
 
@@ -120,3 +127,117 @@ def test_many_chunks_on_threads_give_the_same_signatures_as_one_by_one():
     finally:
         d._CHUNK_BYTES = old
     assert (chunked == np.concatenate([signatures([t]) for t in texts])).all()
+
+
+# ------------------------------------------------------------ discover outcomes: duplicate_of names a kept prompt
+
+FORMATS = {"s": ("prompt_response", "prompt", "response")}
+
+
+def _records(texts: list[str], start: int = 0) -> list[RawRecord]:
+    return [RawRecord("s", f"L{start + k}", {"prompt": t}) for k, t in enumerate(texts)]
+
+
+def _reported_case() -> dict[str, str]:
+    """The case from the report: a base prompt, its upper-cased copy and a one-word edit.
+
+    The upper-cased copy has the base's prompt id (canonical text is case-folded): an exact
+    duplicate of the base. The edit is a near duplicate of the base (Jaccard about 0.93).
+    """
+    rng = random.Random(11)
+    base = " ".join(rng.choice(VOCAB) for _ in range(150))
+    w = base.split()
+    w[75] = "changed"
+    return {"base": base, "upper": base.upper(), "edit": " ".join(w)}
+
+
+def _assert_duplicates_name_kept_prompts(rows: list[dict], kept_ids: set[str]) -> None:
+    bad = [r for r in rows if r["duplicate_of"] is not None and r["duplicate_of"] not in kept_ids]
+    assert not bad, f"{len(bad)} duplicates name a prompt that is not kept, e.g. {bad[0]}"
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(["edit", "base", "upper"])), ids="-".join)
+def test_exact_twin_of_a_near_duplicate_names_the_kept_prompt(tmp_path, order):
+    case = _reported_case()
+    batch = decide_outcomes(_records([case[k] for k in order]), FORMATS, LineageStore(tmp_path / "l.duckdb"),
+                            NearDedupeConfig(), None)
+    rows = {k: r for k, r in zip(order, batch.records)}
+    kept = [r for r in batch.records if r["outcome"] == "kept"]
+    assert len(kept) == 1 and [p["prompt_id"] for p in batch.prompts] == [kept[0]["prompt_id"]]
+    _assert_duplicates_name_kept_prompts(batch.records, {kept[0]["prompt_id"]})
+    # The outcome does not depend on the order: one copy of the base text is an exact duplicate.
+    assert batch.counts() == {"kept": 1, "near_duplicate": 1, "exact_duplicate": 1}
+    assert rows["base"]["prompt_id"] == rows["upper"]["prompt_id"] != rows["edit"]["prompt_id"]
+    if order[0] == "edit":  # the reported order: base and upper-cased copy both lead to the edit
+        assert rows["edit"]["outcome"] == "kept"
+        twin = rows[order[2]]
+        assert twin["outcome"] == "exact_duplicate" and twin["duplicate_of"] == rows["edit"]["prompt_id"]
+        assert twin["similarity"] == rows[order[1]]["similarity"] >= 0.8
+
+
+def test_exact_twin_of_an_earlier_batchs_near_duplicate_names_the_stored_kept_prompt(tmp_path):
+    case = _reported_case()
+    store = LineageStore(tmp_path / "l.duckdb")
+    first = decide_outcomes(_records([case["edit"], case["base"]]), FORMATS, store, NearDedupeConfig(), None)
+    store.write_discover_batch("run1", first.records, first.prompts, first.minhash)
+    edit_id = first.records[0]["prompt_id"]
+    assert [r["outcome"] for r in first.records] == ["kept", "near_duplicate"]
+    second = decide_outcomes(_records([case["upper"]], start=2), FORMATS, store, NearDedupeConfig(), None)
+    (row,) = second.records
+    assert row["outcome"] == "exact_duplicate" and row["duplicate_of"] == edit_id and not second.prompts
+    assert row["prompt_id"] == first.records[1]["prompt_id"]
+
+
+def test_a_stored_chain_left_by_older_runs_is_followed_to_the_kept_prompt(tmp_path):
+    case = _reported_case()
+    store = LineageStore(tmp_path / "l.duckdb")
+    batch = decide_outcomes(_records([case["edit"], case["base"]]), FORMATS, store, NearDedupeConfig(), None)
+    edit_id, base_id = batch.records[0]["prompt_id"], batch.records[1]["prompt_id"]
+    # A row as the old code wrote it: the upper-cased copy naming the (near duplicate) base.
+    legacy = {**batch.records[1], "record_key": "L2", "outcome": "exact_duplicate", "duplicate_of": base_id,
+              "similarity": None}
+    store.write_discover_batch("old", batch.records + [legacy], batch.prompts, batch.minhash)
+    again = decide_outcomes(_records([case["base"] + "  "], start=3), FORMATS, store, NearDedupeConfig(), None)
+    assert again.records[0]["outcome"] == "exact_duplicate" and again.records[0]["duplicate_of"] == edit_id
+
+
+def _planted_records(seed: int = 3, n: int = 200) -> list[str]:
+    """Bases, one-word edits of half of them, and case/whitespace copies of both, shuffled."""
+    rng = random.Random(seed)
+    base = [" ".join(rng.choice(VOCAB) for _ in range(rng.randint(40, 200))) for _ in range(n)]
+    texts = list(base)
+    for t in base[: n // 2]:
+        w = t.split()
+        w[rng.randrange(len(w))] = rng.choice(VOCAB)
+        edit = " ".join(w)
+        texts += [edit, "  ".join(edit.split()).upper()]
+    texts += [t.upper() for t in base[n // 4 : 3 * n // 4]] + [t.title() for t in base[: n // 8]]
+    rng.shuffle(texts)
+    return texts
+
+
+@pytest.mark.parametrize("batch_size", [10_000, 37])
+def test_every_duplicate_in_a_planted_fixture_names_a_kept_prompt(tmp_path, batch_size):
+    texts = _planted_records()
+    records = _records(texts)
+    store = LineageStore(tmp_path / "l.duckdb")
+    rows: list[dict] = []
+    for k in range(0, len(records), batch_size):
+        batch = decide_outcomes(records[k : k + batch_size], FORMATS, store, NearDedupeConfig(), None)
+        assert sorted(p["prompt_id"] for p in batch.prompts) == sorted(
+            r["prompt_id"] for r in batch.records if r["outcome"] == "kept")
+        store.write_discover_batch(f"run{k}", batch.records, batch.prompts, batch.minhash)
+        rows += batch.records
+    kept_ids = {r["prompt_id"] for r in rows if r["outcome"] == "kept"}
+    _assert_duplicates_name_kept_prompts(rows, kept_ids)
+    # Counts reconcile and the fixture really holds the reported case (twins of near duplicates).
+    assert len(rows) == len(records) and {r["outcome"] for r in rows} <= {"kept", "exact_duplicate", "near_duplicate"}
+    assert len(kept_ids) == sum(r["outcome"] == "kept" for r in rows)
+    exact = [r for r in rows if r["outcome"] == "exact_duplicate"]
+    assert len(exact) == len(texts) - len({canonical_text(t) for t in texts})  # independent of order and batches
+    assert sum(r["duplicate_of"] != r["prompt_id"] for r in exact) >= 10
+    # And so says the stored `record_outcomes` view.
+    _, bad = store.query_readonly(
+        "SELECT count(*) FROM record_outcomes d WHERE d.duplicate_of IS NOT NULL AND d.duplicate_of NOT IN "
+        "(SELECT prompt_id FROM record_outcomes WHERE outcome = 'kept')")
+    assert bad == [(0,)]

@@ -168,7 +168,8 @@ def test_changed_near_dedupe_parameters_backfill_stored_signatures(prefect_api, 
     write_catalog(tmp_path)
     discover(catalog_config(tmp_path, workspace))
     nightly = tmp_path / "n.jsonl"
-    nightly.write_text(json.dumps({"prompt": LONG_EDITED}) + "\n")
+    # Another edit of chat #2: LONG_EDITED itself is chat #3, whose exact twin is an exact duplicate.
+    nightly.write_text(json.dumps({"prompt": LONG_EDITED.replace(LONG.split()[20], "different", 1)}) + "\n")
     cfg = catalog_config(tmp_path, workspace, near_dedupe={"ngram": 3, "num_perm": 64})
     cfg = cfg.model_copy(update={"sources": [DiscoverConfig.model_validate(
         {"sources": [{"name": "n", "kind": "file", "path": str(nightly)}]}).sources[0]]})
