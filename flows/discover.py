@@ -16,7 +16,8 @@ from prefect.cache_policies import NO_CACHE
 from rich.progress import Progress
 
 from flows.runinfo import lineage_run
-from storage.lineage import OUTCOMES, LineageStore
+from storage.lineage import LineageStore
+from storage.schema import OUTCOMES
 from tasks.config import DiscoverConfig
 from tasks.decontaminate import build_index
 from tasks.outcomes import backfill_signatures, decide_outcomes

@@ -1,522 +1,32 @@
 """The DuckDB lineage and progress store: the only module that speaks SQL.
 
-Owns the schema (versioned migrations), the public views (`record_outcomes`, `progress`), and
-every read and write of the lineage file. Promises:
-- Writers hold the file only for one short transaction, under an exclusive cross-process file
-  lock, and retry while another process holds DuckDB's own lock; no process keeps it open for a
-  whole stage, so flows in separate Prefect processes and `eagle3 sql` can interleave.
+Owns every write and stage read of the lineage file, by stage (runs, discover, regenerate,
+extract, train, benchmark); the file's locks and migrations are `storage.connection`'s, the
+reports `storage.reports`', the schema `storage.schema`'s. Promises:
+- No process keeps the file open for a whole stage: each call is one short transaction (a
+  write) or one read-only open, so flows in separate Prefect processes and `eagle3 sql` interleave.
 - A write is one transaction: after a crash, `kill -9` included, it is there whole or not at all.
-- Readers open the file read-only; `query_readonly` refuses any statement that is not a query.
+- Resume and dedupe are by content-addressed ids, never by counting rows.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import random
 import socket
-import time
 import uuid
-from contextlib import contextmanager
-from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
-from typing import Iterator
 
-import duckdb
 import numpy as np
 import pyarrow as pa
 
-from storage.datasets import GENERATION_FILE_SCHEMA, write_parquet_atomic
+from storage.connection import DuckDBFile, StoreLocking, _now
+from storage.errors import LineageError
+from storage.reports import LineageReports
+from storage.schema import BENCH_ROWS, GENERATION_ROWS, METRIC_ROWS, PROMPT_ROWS, SAMPLE_ROWS
 
-OUTCOMES = ("kept", "exact_duplicate", "near_duplicate", "contaminated", "quarantined")
-
-MIGRATIONS: list[tuple[int, str, str]] = [
-    (
-        1,
-        "runs, records, prompts, near-dedupe index; views record_outcomes and progress",
-        """
-        CREATE TABLE runs (
-            run_id VARCHAR PRIMARY KEY,
-            flow VARCHAR NOT NULL,
-            flow_run_id VARCHAR,
-            git_sha VARCHAR,
-            config_hash VARCHAR,
-            parameters JSON,
-            state VARCHAR NOT NULL,
-            started_at TIMESTAMPTZ NOT NULL,
-            ended_at TIMESTAMPTZ,
-            summary JSON,
-            host VARCHAR,
-            pid INTEGER
-        );
-        CREATE TABLE source_reads (
-            run_id VARCHAR NOT NULL,
-            source VARCHAR NOT NULL,
-            location VARCHAR NOT NULL,
-            records BIGINT NOT NULL,
-            unreadable BIGINT NOT NULL,
-            complete BOOLEAN NOT NULL,
-            stop_reason VARCHAR,
-            notes VARCHAR
-        );
-        CREATE TABLE records (
-            source VARCHAR NOT NULL,
-            record_key VARCHAR NOT NULL,
-            native_id VARCHAR,
-            outcome VARCHAR NOT NULL,
-            reason VARCHAR,
-            prompt_id VARCHAR,
-            duplicate_of VARCHAR,
-            eval_item VARCHAR,
-            similarity FLOAT,
-            run_id VARCHAR NOT NULL,
-            recorded_at TIMESTAMPTZ NOT NULL,
-            PRIMARY KEY (source, record_key)
-        );
-        CREATE TABLE prompts (
-            prompt_id VARCHAR PRIMARY KEY,
-            messages STRUCT(role VARCHAR, content VARCHAR)[] NOT NULL,
-            n_turns INTEGER NOT NULL,
-            chars INTEGER NOT NULL,
-            source VARCHAR NOT NULL,
-            record_key VARCHAR NOT NULL,
-            format VARCHAR NOT NULL,
-            run_id VARCHAR NOT NULL,
-            created_at TIMESTAMPTZ NOT NULL
-        );
-        CREATE TABLE prompt_minhash (
-            prompt_id VARCHAR NOT NULL,
-            params VARCHAR NOT NULL,
-            signature BLOB NOT NULL,
-            PRIMARY KEY (prompt_id, params)
-        );
-        CREATE TABLE prompt_lsh_bands (
-            params VARCHAR NOT NULL,
-            band SMALLINT NOT NULL,
-            bucket UBIGINT NOT NULL,
-            prompt_id VARCHAR NOT NULL
-        );
-        CREATE INDEX prompt_lsh_bands_bucket ON prompt_lsh_bands (params, band, bucket);
-        CREATE VIEW record_outcomes AS
-            SELECT r.source, r.record_key, r.native_id, r.outcome,
-                   r.reason, r.duplicate_of, r.eval_item, r.similarity, r.prompt_id,
-                   r.run_id, r.recorded_at
-            FROM records r;
-        CREATE VIEW progress AS
-            WITH last_discover AS (
-                -- the latest finished run that decided records: its pace is the stage's rate
-                SELECT r.run_id, r.started_at, r.ended_at FROM runs r
-                WHERE r.flow = 'discover' AND r.ended_at IS NOT NULL
-                  AND EXISTS (SELECT 1 FROM records x WHERE x.run_id = r.run_id)
-                ORDER BY r.ended_at DESC LIMIT 1
-            ), last_counts AS (
-                SELECT count(*) AS n FROM records WHERE run_id = (SELECT run_id FROM last_discover)
-            )
-            SELECT 'discover' AS stage,
-                   count(*) FILTER (WHERE outcome <> 'quarantined') AS done,
-                   0::BIGINT AS pending,
-                   count(*) FILTER (WHERE outcome = 'quarantined') AS failed,
-                   NULL::BIGINT AS tokens,
-                   (SELECT n / greatest(epoch(ended_at) - epoch(started_at), 1e-3)
-                      FROM last_discover, last_counts) AS rate_per_s,
-                   NULL::INTERVAL AS eta
-            FROM records;
-        """,
-    ),
-    (
-        2,
-        "generations, generation files and failures; progress covers regenerate",
-        """
-        CREATE TABLE generation_files (
-            file VARCHAR PRIMARY KEY,
-            params_key VARCHAR NOT NULL,
-            rows INTEGER NOT NULL,
-            bytes BIGINT NOT NULL,
-            sha256 VARCHAR NOT NULL,
-            run_id VARCHAR NOT NULL,
-            created_at TIMESTAMPTZ NOT NULL
-        );
-        CREATE TABLE generations (
-            generation_id VARCHAR PRIMARY KEY,
-            prompt_id VARCHAR NOT NULL,
-            params_key VARCHAR NOT NULL,
-            target_model VARCHAR NOT NULL,
-            target_revision VARCHAR NOT NULL,
-            template_id VARCHAR NOT NULL,
-            mode VARCHAR NOT NULL,
-            reasoning VARCHAR NOT NULL,
-            origin VARCHAR NOT NULL,
-            file VARCHAR NOT NULL,
-            n_turns INTEGER NOT NULL,
-            prompt_tokens BIGINT,
-            completion_tokens BIGINT,
-            finish_reasons VARCHAR[],
-            flags VARCHAR[],
-            has_token_ids BOOLEAN NOT NULL,
-            latency_s DOUBLE,
-            endpoint VARCHAR,
-            served_model VARCHAR,
-            run_id VARCHAR NOT NULL,
-            created_at TIMESTAMPTZ NOT NULL
-        );
-        CREATE TABLE generation_failures (
-            generation_id VARCHAR NOT NULL,
-            prompt_id VARCHAR NOT NULL,
-            params_key VARCHAR NOT NULL,
-            reason VARCHAR NOT NULL,
-            attempts INTEGER NOT NULL,
-            run_id VARCHAR NOT NULL,
-            failed_at TIMESTAMPTZ NOT NULL
-        );
-        CREATE OR REPLACE VIEW progress AS
-            WITH last_discover AS (
-                SELECT r.run_id, r.started_at, r.ended_at FROM runs r
-                WHERE r.flow = 'discover' AND r.ended_at IS NOT NULL
-                  AND EXISTS (SELECT 1 FROM records x WHERE x.run_id = r.run_id)
-                ORDER BY r.ended_at DESC LIMIT 1
-            ), discover_row AS (
-                SELECT 'discover' AS stage,
-                       count(*) FILTER (WHERE outcome <> 'quarantined') AS done,
-                       0::BIGINT AS pending,
-                       count(*) FILTER (WHERE outcome = 'quarantined') AS failed,
-                       NULL::HUGEINT AS tokens,
-                       round((SELECT count(*) FROM records WHERE run_id = (SELECT run_id FROM last_discover))
-                         / (SELECT greatest(epoch(ended_at) - epoch(started_at), 1e-3) FROM last_discover), 1)
-                         AS rate_per_s,
-                       NULL::INTERVAL AS eta
-                FROM records
-            ), last_regen AS (
-                -- the latest regenerate run that produced something: its pace predicts the rest
-                SELECT r.run_id, r.started_at, coalesce(r.ended_at, now()) AS ended_at FROM runs r
-                WHERE r.flow = 'regenerate'
-                  AND EXISTS (SELECT 1 FROM generations g WHERE g.run_id = r.run_id AND g.origin = 'server')
-                ORDER BY r.started_at DESC LIMIT 1
-            ), regen_pace AS (
-                SELECT count(*) AS n, sum(g.completion_tokens) AS tokens,
-                       greatest(epoch(any_value(l.ended_at)) - epoch(any_value(l.started_at)), 1e-3) AS secs
-                FROM generations g JOIN last_regen l USING (run_id)
-            ), regen_counts AS (
-                SELECT
-                    (SELECT count(DISTINCT prompt_id) FROM generations) AS done,
-                    (SELECT count(DISTINCT f.prompt_id) FROM generation_failures f
-                      WHERE NOT EXISTS (SELECT 1 FROM generations g WHERE g.prompt_id = f.prompt_id)) AS failed,
-                    (SELECT count(*) FROM prompts) AS prompts,
-                    (SELECT sum(completion_tokens) FROM generations) AS tokens
-            ), regenerate_row AS (
-                SELECT 'regenerate' AS stage, c.done,
-                       greatest(c.prompts - c.done - c.failed, 0) AS pending, c.failed, c.tokens,
-                       (SELECT round(tokens / secs, 1) FROM regen_pace) AS rate_per_s,
-                       (SELECT CASE WHEN n > 0 THEN to_seconds(round(greatest(c.prompts - c.done - c.failed, 0) * secs / n)::BIGINT) END
-                          FROM regen_pace) AS eta
-                FROM regen_counts c
-            )
-            SELECT * FROM discover_row UNION ALL SELECT * FROM regenerate_row;
-        """,
-    ),
-    (
-        3,
-        "extract: draft vocabs, shards (written -> consumed -> deleted), samples; progress covers extract",
-        """
-        CREATE TABLE draft_vocabs (
-            vocab_id VARCHAR PRIMARY KEY,
-            tokenize_key VARCHAR NOT NULL,
-            file VARCHAR NOT NULL,
-            sha256 VARCHAR NOT NULL,
-            draft_vocab_size INTEGER NOT NULL,
-            target_vocab_size INTEGER NOT NULL,
-            coverage DOUBLE NOT NULL,
-            counted_tokens BIGINT NOT NULL,
-            counted_samples BIGINT NOT NULL,
-            report JSON,
-            run_id VARCHAR NOT NULL,
-            created_at TIMESTAMPTZ NOT NULL
-        );
-        CREATE TABLE extract_settings (
-            extract_key VARCHAR PRIMARY KEY,
-            vocab_id VARCHAR NOT NULL,
-            settings JSON NOT NULL,
-            run_id VARCHAR NOT NULL,
-            created_at TIMESTAMPTZ NOT NULL
-        );
-        CREATE TABLE shards (
-            shard VARCHAR PRIMARY KEY,
-            extract_key VARCHAR NOT NULL,
-            state VARCHAR NOT NULL,
-            bytes BIGINT NOT NULL,
-            sha256 VARCHAR NOT NULL,
-            samples INTEGER NOT NULL,
-            tokens BIGINT NOT NULL,
-            masked_tokens BIGINT NOT NULL,
-            run_id VARCHAR NOT NULL,
-            created_at TIMESTAMPTZ NOT NULL,
-            consumed_by VARCHAR,
-            consumed_at TIMESTAMPTZ,
-            deleted_at TIMESTAMPTZ
-        );
-        CREATE TABLE shard_reads (
-            shard VARCHAR NOT NULL,
-            train_run_id VARCHAR NOT NULL,
-            epoch INTEGER NOT NULL,
-            read_at TIMESTAMPTZ NOT NULL
-        );
-        CREATE TABLE samples (
-            sample_id VARCHAR PRIMARY KEY,
-            generation_id VARCHAR NOT NULL,
-            extract_key VARCHAR NOT NULL,
-            outcome VARCHAR NOT NULL,
-            reason VARCHAR,
-            tokens INTEGER,
-            masked_tokens INTEGER,
-            truncated_tokens INTEGER,
-            id_check VARCHAR NOT NULL,
-            id_mismatch VARCHAR,
-            shard VARCHAR,
-            shard_index INTEGER,
-            run_id VARCHAR NOT NULL,
-            created_at TIMESTAMPTZ NOT NULL
-        );
-        CREATE INDEX samples_generation ON samples (generation_id, extract_key);
-        CREATE OR REPLACE VIEW progress AS
-            WITH last_discover AS (
-                SELECT r.run_id, r.started_at, r.ended_at FROM runs r
-                WHERE r.flow = 'discover' AND r.ended_at IS NOT NULL
-                  AND EXISTS (SELECT 1 FROM records x WHERE x.run_id = r.run_id)
-                ORDER BY r.ended_at DESC LIMIT 1
-            ), discover_row AS (
-                SELECT 'discover' AS stage,
-                       count(*) FILTER (WHERE outcome <> 'quarantined') AS done,
-                       0::BIGINT AS pending,
-                       count(*) FILTER (WHERE outcome = 'quarantined') AS failed,
-                       NULL::HUGEINT AS tokens,
-                       round((SELECT count(*) FROM records WHERE run_id = (SELECT run_id FROM last_discover))
-                         / (SELECT greatest(epoch(ended_at) - epoch(started_at), 1e-3) FROM last_discover), 1)
-                         AS rate_per_s,
-                       NULL::INTERVAL AS eta
-                FROM records
-            ), last_regen AS (
-                SELECT r.run_id, r.started_at, coalesce(r.ended_at, now()) AS ended_at FROM runs r
-                WHERE r.flow = 'regenerate'
-                  AND EXISTS (SELECT 1 FROM generations g WHERE g.run_id = r.run_id AND g.origin = 'server')
-                ORDER BY r.started_at DESC LIMIT 1
-            ), regen_pace AS (
-                SELECT count(*) AS n, sum(g.completion_tokens) AS tokens,
-                       greatest(epoch(any_value(l.ended_at)) - epoch(any_value(l.started_at)), 1e-3) AS secs
-                FROM generations g JOIN last_regen l USING (run_id)
-            ), regen_counts AS (
-                SELECT
-                    (SELECT count(DISTINCT prompt_id) FROM generations) AS done,
-                    (SELECT count(DISTINCT f.prompt_id) FROM generation_failures f
-                      WHERE NOT EXISTS (SELECT 1 FROM generations g WHERE g.prompt_id = f.prompt_id)) AS failed,
-                    (SELECT count(*) FROM prompts) AS prompts,
-                    (SELECT sum(completion_tokens) FROM generations) AS tokens
-            ), regenerate_row AS (
-                SELECT 'regenerate' AS stage, c.done,
-                       greatest(c.prompts - c.done - c.failed, 0) AS pending, c.failed, c.tokens,
-                       (SELECT round(tokens / secs, 1) FROM regen_pace) AS rate_per_s,
-                       (SELECT CASE WHEN n > 0 THEN to_seconds(round(greatest(c.prompts - c.done - c.failed, 0) * secs / n)::BIGINT) END
-                          FROM regen_pace) AS eta
-                FROM regen_counts c
-            ), last_extract AS (
-                -- the latest extract run that wrote samples: its token pace predicts the rest
-                SELECT r.run_id, r.started_at, coalesce(r.ended_at, now()) AS ended_at FROM runs r
-                WHERE r.flow = 'extract' AND EXISTS (SELECT 1 FROM samples s WHERE s.run_id = r.run_id)
-                ORDER BY r.started_at DESC LIMIT 1
-            ), extract_pace AS (
-                SELECT count(*) AS n,
-                       greatest(epoch(any_value(l.ended_at)) - epoch(any_value(l.started_at)), 1e-3) AS secs,
-                       sum(s.tokens) FILTER (WHERE s.outcome = 'extracted') AS tokens
-                FROM samples s JOIN last_extract l USING (run_id)
-            ), extract_counts AS (
-                -- per generation: a generation counts once whatever extract settings it went through
-                SELECT
-                    (SELECT count(DISTINCT generation_id) FROM samples WHERE outcome = 'extracted') AS done,
-                    (SELECT count(DISTINCT generation_id) FROM samples s WHERE outcome <> 'extracted'
-                      AND NOT EXISTS (SELECT 1 FROM samples x WHERE x.generation_id = s.generation_id
-                                      AND x.outcome = 'extracted')) AS failed,
-                    (SELECT count(*) FROM generations) AS generations,
-                    (SELECT sum(tokens) FROM samples WHERE outcome = 'extracted') AS tokens
-            ), extract_row AS (
-                SELECT 'extract' AS stage, c.done,
-                       greatest(c.generations - c.done - c.failed, 0) AS pending, c.failed, c.tokens,
-                       (SELECT round(tokens / secs, 1) FROM extract_pace) AS rate_per_s,
-                       (SELECT CASE WHEN n > 0 THEN to_seconds(round(greatest(c.generations - c.done - c.failed, 0) * secs / n)::BIGINT) END
-                          FROM extract_pace) AS eta
-                FROM extract_counts c
-            )
-            SELECT * FROM discover_row UNION ALL SELECT * FROM regenerate_row UNION ALL SELECT * FROM extract_row;
-        """,
-    ),
-    (
-        4,
-        "train: training runs, metrics, rounds, checkpoints; view checkpoint_lineage",
-        """
-        CREATE TABLE train_runs (
-            run_name VARCHAR PRIMARY KEY,
-            mode VARCHAR NOT NULL,
-            extract_key VARCHAR NOT NULL,
-            vocab_id VARCHAR NOT NULL,
-            target VARCHAR NOT NULL,
-            target_revision VARCHAR NOT NULL,
-            draft_config JSON NOT NULL,
-            train_config JSON NOT NULL,
-            run_id VARCHAR NOT NULL,
-            created_at TIMESTAMPTZ NOT NULL
-        );
-        CREATE TABLE train_metrics (
-            run_name VARCHAR NOT NULL,
-            step INTEGER NOT NULL,
-            round INTEGER NOT NULL,
-            epoch INTEGER NOT NULL,
-            lr DOUBLE NOT NULL,
-            loss DOUBLE NOT NULL,
-            step_loss DOUBLE[] NOT NULL,
-            accuracy DOUBLE[] NOT NULL,
-            conditional_accuracy DOUBLE[] NOT NULL,
-            tokens BIGINT NOT NULL,
-            grad_norm DOUBLE,
-            run_id VARCHAR NOT NULL,
-            recorded_at TIMESTAMPTZ NOT NULL,
-            PRIMARY KEY (run_name, step)
-        );
-        CREATE TABLE train_rounds (
-            run_name VARCHAR NOT NULL,
-            round INTEGER NOT NULL,
-            shards VARCHAR[] NOT NULL,
-            samples BIGINT NOT NULL,
-            epochs INTEGER NOT NULL,
-            last_step INTEGER NOT NULL,
-            run_id VARCHAR NOT NULL,
-            completed_at TIMESTAMPTZ NOT NULL,
-            PRIMARY KEY (run_name, round)
-        );
-        CREATE TABLE checkpoints (
-            checkpoint VARCHAR PRIMARY KEY,
-            run_name VARCHAR NOT NULL,
-            step INTEGER NOT NULL,
-            format VARCHAR NOT NULL,
-            path VARCHAR NOT NULL,
-            sha256 VARCHAR NOT NULL,
-            rounds INTEGER NOT NULL,
-            target VARCHAR NOT NULL,
-            target_revision VARCHAR NOT NULL,
-            aux_layer_ids INTEGER[] NOT NULL,
-            vocab_id VARCHAR NOT NULL,
-            extract_key VARCHAR NOT NULL,
-            run_id VARCHAR NOT NULL,
-            created_at TIMESTAMPTZ NOT NULL
-        );
-        CREATE VIEW checkpoint_lineage AS
-            SELECT c.checkpoint, c.format, c.path, c.run_name, c.step, r.round, u.shard, s.sample_id,
-                   s.generation_id, g.prompt_id, rec.source, rec.record_key
-            FROM checkpoints c
-            JOIN train_rounds r ON r.run_name = c.run_name AND r.round < c.rounds
-            CROSS JOIN LATERAL (SELECT unnest(r.shards) AS shard) u
-            JOIN samples s ON s.shard = u.shard AND s.outcome = 'extracted'
-            JOIN generations g ON g.generation_id = s.generation_id
-            LEFT JOIN records rec ON rec.prompt_id = g.prompt_id AND rec.outcome = 'kept';
-        """,
-    ),
-    (
-        5,
-        "benchmark: results per checkpoint, drafter, domain and config",
-        """
-        CREATE TABLE benchmark_results (
-            bench_id VARCHAR NOT NULL,
-            checkpoint VARCHAR,
-            kind VARCHAR NOT NULL,
-            config_label VARCHAR NOT NULL,
-            drafter VARCHAR NOT NULL,
-            domain VARCHAR NOT NULL,
-            concurrency INTEGER,
-            requests INTEGER NOT NULL,
-            completion_tokens BIGINT NOT NULL,
-            verify_rounds BIGINT,
-            acceptance_token_weighted DOUBLE,
-            acceptance_request_mean DOUBLE,
-            acceptance_by_position DOUBLE[],
-            output_tok_s DOUBLE,
-            ttft_p50_s DOUBLE,
-            details JSON,
-            run_id VARCHAR NOT NULL,
-            created_at TIMESTAMPTZ NOT NULL
-        );
-        """,
-    ),
-    (
-        6,
-        "progress: train and benchmark rows (the data stages' rows are kept as progress_data)",
-        """
-        ALTER VIEW progress RENAME TO progress_data;
-        CREATE VIEW progress AS
-            WITH last_train AS (
-                -- the latest training run that completed a round: its token pace predicts the rest
-                SELECT r.run_id, greatest(epoch(r.ended_at) - epoch(r.started_at), 1e-3) AS secs FROM runs r
-                WHERE r.flow = 'train' AND r.ended_at IS NOT NULL
-                  AND EXISTS (SELECT 1 FROM train_rounds t WHERE t.run_id = r.run_id)
-                ORDER BY r.started_at DESC LIMIT 1
-            ), train_pace AS (
-                SELECT sum(s.tokens * t.epochs) / any_value(l.secs) AS tok_s
-                FROM last_train l JOIN train_rounds t ON t.run_id = l.run_id
-                CROSS JOIN LATERAL (SELECT unnest(t.shards) AS shard) u JOIN shards s ON s.shard = u.shard
-            ), train_epochs AS (
-                SELECT coalesce(max((train_config->>'epochs')::INTEGER), 1) AS epochs FROM train_runs
-            ), train_counts AS (
-                -- a shard counts as trained once a completed round lists it; written shards wait
-                SELECT coalesce(sum(samples) FILTER (WHERE trained), 0) AS done,
-                       coalesce(sum(tokens) FILTER (WHERE trained), 0) AS tokens,
-                       coalesce(sum(samples) FILTER (WHERE NOT trained), 0) AS pending,
-                       coalesce(sum(tokens) FILTER (WHERE NOT trained), 0) AS pending_tokens
-                FROM (SELECT s.samples, s.tokens,
-                             EXISTS (SELECT 1 FROM train_rounds r WHERE list_contains(r.shards, s.shard)) AS trained
-                      FROM shards s)
-            ), train_row AS (
-                SELECT 'train' AS stage, c.done, c.pending, 0::BIGINT AS failed, c.tokens::HUGEINT AS tokens,
-                       (SELECT round(tok_s, 1) FROM train_pace) AS rate_per_s,
-                       (SELECT CASE WHEN tok_s > 0 THEN to_seconds(round(c.pending_tokens * e.epochs / tok_s)::BIGINT) END
-                          FROM train_pace, train_epochs e) AS eta
-                FROM train_counts c
-            ), latest_exports AS (
-                SELECT checkpoint FROM checkpoints WHERE format = 'sglang'
-                QUALIFY row_number() OVER (PARTITION BY run_name ORDER BY created_at DESC) = 1
-            ), benchmark_row AS (
-                -- done: each training run's latest SGLang export, benchmarked or not (pending)
-                SELECT 'benchmark' AS stage,
-                       count(*) FILTER (WHERE EXISTS (SELECT 1 FROM benchmark_results b WHERE b.checkpoint = c.checkpoint))
-                         AS done,
-                       count(*) FILTER (WHERE NOT EXISTS (
-                           SELECT 1 FROM benchmark_results b WHERE b.checkpoint = c.checkpoint)) AS pending,
-                       (SELECT count(*) FROM runs WHERE flow = 'benchmark' AND state IN ('FAILED', 'CRASHED')
-                          AND started_at > coalesce((SELECT max(started_at) FROM runs
-                                                     WHERE flow = 'benchmark' AND state = 'COMPLETED'),
-                                                    '-infinity'::TIMESTAMPTZ)) AS failed,
-                       (SELECT sum(completion_tokens) FROM benchmark_results)::HUGEINT AS tokens,
-                       NULL::DOUBLE AS rate_per_s, NULL::INTERVAL AS eta
-                FROM latest_exports c
-            )
-            SELECT * FROM progress_data UNION ALL SELECT * FROM train_row UNION ALL SELECT * FROM benchmark_row;
-        """,
-    ),
-]
-
-
-# Questions a person asks of a pipeline's lineage; `eagle3 run` prints them with their answers.
-EXAMPLE_QUERIES: list[tuple[str, str]] = [
-    ("What happened to every source record?",
-     "SELECT source, outcome, count(*) AS records FROM record_outcomes GROUP BY ALL ORDER BY ALL"),
-    ("Which sources trained the latest exported draft?",
-     "SELECT source, count(DISTINCT sample_id) AS samples, count(DISTINCT shard) AS shards FROM checkpoint_lineage "
-     "WHERE checkpoint = (SELECT checkpoint FROM checkpoints WHERE format = 'sglang' ORDER BY created_at DESC LIMIT 1) "
-     "GROUP BY source"),
-    ("Acceptance length of each drafter, latest benchmark first",
-     "SELECT checkpoint, drafter, domain, round(acceptance_token_weighted, 2) AS acceptance, requests "
-     "FROM benchmark_results WHERE kind = 'offline' ORDER BY created_at DESC, domain, drafter"),
-]
-
-
-class LineageError(RuntimeError):
-    """A lineage store problem a user can act on (missing file, refused statement)."""
+__all__ = ["LineageError", "LineageStore", "StoreLocking"]
 
 
 def _alive(pid: int) -> bool:
@@ -529,115 +39,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _now() -> datetime:
-    return datetime.now(timezone.utc)
-
-
-@dataclass
-class StoreLocking:
-    lock_timeout_s: float = 600.0
-    open_retry_s: float = 120.0
-
-
-class LineageStore:
-    def __init__(self, path: str | Path, locking: StoreLocking | None = None):
-        self.path = Path(path)
-        self.lock_path = self.path.with_name(self.path.name + ".lock")
-        self.locking = locking or StoreLocking()
-        self._migrated = False
-
-    # ------------------------------------------------------------ connections
-
-    @contextmanager
-    def _flock(self, exclusive: bool) -> Iterator[None]:
-        self.lock_path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
-        deadline = time.monotonic() + self.locking.lock_timeout_s
-        delay = 0.005
-        try:
-            while True:
-                try:
-                    fcntl.flock(fd, mode)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise LineageError(
-                            f"lineage store {self.path} stayed locked by another process for "
-                            f"{self.locking.lock_timeout_s:.0f} s"
-                        ) from None
-                    time.sleep(delay * (1 + random.random()))
-                    delay = min(delay * 2, 0.25)
-            yield
-        finally:
-            os.close(fd)  # closing the descriptor releases the lock
-
-    def _connect(self, read_only: bool) -> duckdb.DuckDBPyConnection:
-        # DuckDB's own file lock can still be held by a process that does not use our lock
-        # file (an interactive `duckdb` shell, say): retry with backoff instead of failing.
-        deadline = time.monotonic() + self.locking.open_retry_s
-        delay = 0.01
-        while True:
-            try:
-                return duckdb.connect(str(self.path), read_only=read_only)
-            except duckdb.IOException as e:
-                if "lock" not in str(e).lower() or time.monotonic() > deadline:
-                    raise
-                time.sleep(delay * (1 + random.random()))
-                delay = min(delay * 2, 1.0)
-
-    @contextmanager
-    def write(self) -> Iterator[duckdb.DuckDBPyConnection]:
-        """One transaction on the file, under the exclusive lock; committed on success."""
-        with self._flock(exclusive=True):
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            con = self._connect(read_only=False)
-            try:
-                if not self._migrated:
-                    self._migrate(con)
-                con.execute("BEGIN TRANSACTION")
-                try:
-                    yield con
-                    con.execute("COMMIT")
-                except BaseException:
-                    con.execute("ROLLBACK")
-                    raise
-            finally:
-                con.close()
-
-    @contextmanager
-    def read(self) -> Iterator[duckdb.DuckDBPyConnection]:
-        if not self.path.exists():
-            raise LineageError(f"no lineage store at {self.path}: run a stage (eagle3 discover) first")
-        with self._flock(exclusive=False):
-            con = self._connect(read_only=True)
-            try:
-                yield con
-            finally:
-                con.close()
-
-    def _migrate(self, con: duckdb.DuckDBPyConnection) -> None:
-        con.execute(
-            "CREATE TABLE IF NOT EXISTS schema_migrations "
-            "(version INTEGER PRIMARY KEY, description VARCHAR, applied_at TIMESTAMPTZ)"
-        )
-        done = {v for (v,) in con.execute("SELECT version FROM schema_migrations").fetchall()}
-        for version, description, sql in MIGRATIONS:
-            if version in done:
-                continue
-            con.execute("BEGIN TRANSACTION")
-            try:
-                con.execute(sql)
-                con.execute("INSERT INTO schema_migrations VALUES (?, ?, ?)", [version, description, _now()])
-                con.execute("COMMIT")
-            except BaseException:
-                con.execute("ROLLBACK")
-                raise
-        self._migrated = True
-
-    def schema_version(self) -> int:
-        with self.read() as con:
-            return con.execute("SELECT max(version) FROM schema_migrations").fetchall()[0][0]
+class LineageStore(DuckDBFile, LineageReports):
+    """Every write and stage read of the lineage file (the reports are in `storage.reports`)."""
 
     # ------------------------------------------------------------ runs
 
@@ -737,6 +140,49 @@ class LineageStore:
             ).fetchall()
         return [r[0] for r in rows], [r[1] for r in rows]
 
+    def duplicate_chain_targets(self, prompt_ids: list[str]) -> dict[str, tuple[str, float | None]]:
+        """Prompt ids (not stored as prompts) that earlier records were duplicates with, mapped to the
+        stored kept prompt their chain ends at and the similarity recorded on the way.
+
+        Follows `duplicate_of` through earlier duplicate records until it reaches a stored prompt, so
+        rows written before chains were resolved at decision time still lead to a kept prompt. An id
+        whose chain ends nowhere is left out: its record then goes through near-dedupe as new.
+        """
+        if not prompt_ids or not self.path.exists():
+            return {}
+        resolved: dict[str, tuple[str, float | None]] = {}
+        with self.read() as con:
+            # start id -> (id reached, lowest similarity on the way); one step a round, cycles cut at 32.
+            frontier = {p: (p, None) for p in prompt_ids}
+            for _ in range(32):
+                if not frontier:
+                    break
+                con.register("ids_in", pa.table({"prompt_id": sorted({cur for cur, _ in frontier.values()})}))
+                rows = con.execute(
+                    "SELECT r.prompt_id, r.duplicate_of, r.similarity, p.prompt_id IS NOT NULL FROM records r "
+                    "JOIN ids_in USING (prompt_id) LEFT JOIN prompts p ON p.prompt_id = r.duplicate_of "
+                    "WHERE r.outcome IN ('exact_duplicate', 'near_duplicate') AND r.duplicate_of IS NOT NULL "
+                    "AND r.duplicate_of <> r.prompt_id "
+                    "ORDER BY r.recorded_at, r.source, r.record_key"
+                ).fetchall()
+                con.unregister("ids_in")
+                step: dict[str, tuple[str, float | None, bool]] = {}
+                for pid, dup, sim, is_kept in rows:
+                    if pid not in step or (is_kept and not step[pid][2]):  # the first, or the first to a kept prompt
+                        step[pid] = (dup, sim, bool(is_kept))
+                nxt = {}
+                for start, (cur, sim) in frontier.items():
+                    if cur not in step:
+                        continue
+                    dup, s, is_kept = step[cur]
+                    sim = s if sim is None else sim if s is None else min(sim, s)
+                    if is_kept:
+                        resolved[start] = (dup, sim)
+                    else:
+                        nxt[start] = (dup, sim)
+                frontier = nxt
+        return resolved
+
     # ------------------------------------------------------------ discover: writes
 
     def write_discover_batch(
@@ -763,7 +209,7 @@ class LineageStore:
                 "duplicate_of, eval_item, similarity, run_id, recorded_at FROM rec_in ON CONFLICT DO NOTHING"
             )
         if prompts:
-            table = pa.Table.from_pylist([{**p, "run_id": run_id, "created_at": now} for p in prompts], schema=_PROMPT_SCHEMA)
+            table = pa.Table.from_pylist([{**p, "run_id": run_id, "created_at": now} for p in prompts], schema=PROMPT_ROWS)
             con.register("prm_in", table)
             con.execute(
                 "INSERT INTO prompts SELECT prompt_id, messages, n_turns, chars, source, record_key, format, "
@@ -836,11 +282,14 @@ class LineageStore:
         return {r[0] for r in rows}
 
     def write_generations(self, run_id: str, file_row: dict | None, generations: list[dict], failures: list[dict],
-                          discover_batch: tuple[list[dict], list[dict], tuple | None] | None = None) -> None:
+                          discover_batch: tuple[list[dict], list[dict], tuple | None] | None = None,
+                          deferrals: list[dict] = ()) -> None:
         """A Parquet file's lineage, its generations and this batch's failures, in one transaction.
 
         `discover_batch` (records, prompts, minhash) commits imported records with the generations
         made from them: both or neither, so an import interrupted by a crash is simply redone.
+        `deferrals` (same fields as failures) are requests no endpoint answered: recorded for the
+        audit, but the prompt stays pending, so the next run asks again without --retry-failed.
         """
         now = _now()
         with self.write() as con:
@@ -854,13 +303,19 @@ class LineageStore:
                 )
             if generations:
                 con.register("gen_in", pa.Table.from_pylist(
-                    [{**g, "run_id": run_id, "created_at": now} for g in generations], schema=_GENERATION_SCHEMA))
+                    [{**g, "run_id": run_id, "created_at": now} for g in generations], schema=GENERATION_ROWS))
                 con.execute("INSERT INTO generations SELECT * FROM gen_in ON CONFLICT DO NOTHING")
             if failures:
                 con.register("fail_in", pa.Table.from_pylist([{**f, "run_id": run_id, "failed_at": now} for f in failures]))
                 con.execute(
                     "INSERT INTO generation_failures SELECT generation_id, prompt_id, params_key, reason, attempts, "
                     "run_id, failed_at FROM fail_in"
+                )
+            if deferrals:
+                con.register("defer_in", pa.Table.from_pylist([{**f, "run_id": run_id, "deferred_at": now} for f in deferrals]))
+                con.execute(
+                    "INSERT INTO generation_deferrals SELECT generation_id, prompt_id, params_key, reason, attempts, "
+                    "run_id, deferred_at FROM defer_in"
                 )
 
     def generation_summary(self, run_id: str) -> dict:
@@ -872,13 +327,15 @@ class LineageStore:
                 "count(*) FILTER (WHERE has_token_ids) FROM generations WHERE run_id = ?",
                 [run_id],
             ).fetchall()[0]
-            failed = con.execute(
-                "SELECT count(DISTINCT prompt_id) FROM generation_failures f WHERE run_id = ? "
-                "AND NOT EXISTS (SELECT 1 FROM generations g WHERE g.generation_id = f.generation_id)",
-                [run_id],
-            ).fetchall()[0][0]
+            failed, deferred = con.execute(
+                "SELECT (SELECT count(DISTINCT prompt_id) FROM generation_failures f WHERE run_id = $run "
+                "        AND NOT EXISTS (SELECT 1 FROM generations g WHERE g.generation_id = f.generation_id)), "
+                "       (SELECT count(DISTINCT prompt_id) FROM generation_deferrals d WHERE run_id = $run "
+                "        AND NOT EXISTS (SELECT 1 FROM generations g WHERE g.generation_id = d.generation_id))",
+                {"run": run_id},
+            ).fetchall()[0]
         keys = ("generations", "completion_tokens", "flagged_empty", "flagged_length", "with_token_ids")
-        return {**dict(zip(keys, row)), "failed": failed}
+        return {**dict(zip(keys, row)), "failed": failed, "deferred": deferred}
 
     # ------------------------------------------------------------ extract
 
@@ -968,7 +425,7 @@ class LineageStore:
                 )
             if sample_rows:
                 con.register("smp_in", pa.Table.from_pylist(
-                    [{**r, "run_id": run_id, "created_at": now} for r in sample_rows], schema=_SAMPLE_SCHEMA))
+                    [{**r, "run_id": run_id, "created_at": now} for r in sample_rows], schema=SAMPLE_ROWS))
                 con.execute("INSERT INTO samples SELECT * FROM smp_in")
 
     def mark_shards_read(self, train_run_id: str, shards: list[str], epoch: int) -> None:
@@ -1074,7 +531,7 @@ class LineageStore:
         now = _now()
         with self.write() as con:
             con.register("m_in", pa.Table.from_pylist([{**r, "run_name": run_name, "run_id": run_id, "recorded_at": now}
-                                                       for r in rows], schema=_METRIC_SCHEMA))
+                                                       for r in rows], schema=METRIC_ROWS))
             con.execute("INSERT OR REPLACE INTO train_metrics SELECT * FROM m_in")
 
     def train_metrics(self, run_name: str) -> list[dict]:
@@ -1090,21 +547,24 @@ class LineageStore:
                         [run_name, round_index, shards, samples, epochs, last_step, run_id, _now()])
 
     def register_checkpoint(self, run_id: str, row: dict) -> None:
+        """Register an exported checkpoint; its path is stored absolute, so every reader finds it from any directory."""
         with self.write() as con:
             con.execute(
                 "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [row["checkpoint"], row["run_name"], row["step"], row["format"], row["path"], row["sha256"], row["rounds"],
+                [row["checkpoint"], row["run_name"], row["step"], row["format"], str(Path(row["path"]).resolve()),
+                 row["sha256"], row["rounds"],
                  row["target"], row["target_revision"], row["aux_layer_ids"], row["vocab_id"], row["extract_key"],
                  run_id, _now()])
 
     # ------------------------------------------------------------ benchmark
     def checkpoint_row(self, path: str | None = None, fmt: str = "sglang") -> dict | None:
-        """The registered checkpoint at `path`, or the latest one of `fmt`."""
+        """The registered checkpoint at `path` (as given, or resolved from this directory), or the latest one of `fmt`."""
         if not self.path.exists():
             return None
         with self.read() as con:
             if path is not None:
-                res = con.execute("SELECT * FROM checkpoints WHERE path = ? ORDER BY created_at DESC LIMIT 1", [path])
+                res = con.execute("SELECT * FROM checkpoints WHERE path = ? OR path = ? ORDER BY created_at DESC LIMIT 1",
+                                  [path, str(Path(path).resolve())])
             else:
                 res = con.execute("SELECT * FROM checkpoints WHERE format = ? ORDER BY created_at DESC LIMIT 1", [fmt])
             cols = [d[0] for d in res.description]
@@ -1120,226 +580,5 @@ class LineageStore:
         with self.write() as con:
             con.register("b_in", pa.Table.from_pylist(
                 [{**r, "details": json.dumps(r.get("details") or {}, default=str), "run_id": run_id, "created_at": now}
-                 for r in rows], schema=_BENCH_SCHEMA))
+                 for r in rows], schema=BENCH_ROWS))
             con.execute("INSERT INTO benchmark_results SELECT * FROM b_in")
-
-    # ------------------------------------------------------------ reports and exports
-
-    def outcome_counts(self, run_id: str | None = None) -> dict[str, int]:
-        counts = {o: 0 for o in OUTCOMES}
-        if not self.path.exists():
-            return counts
-        with self.read() as con:
-            sql = "SELECT outcome, count(*) FROM records"
-            rows = con.execute(sql + (" WHERE run_id = ? GROUP BY 1" if run_id else " GROUP BY 1"), [run_id] if run_id else []).fetchall()
-        counts.update(dict(rows))
-        return counts
-
-    def quarantine_reasons(self, run_id: str, limit: int = 10) -> list[tuple[str, int]]:
-        with self.read() as con:
-            return con.execute(
-                "SELECT regexp_replace(reason, '[0-9]+', 'N', 'g') AS why, count(*) FROM records "
-                "WHERE run_id = ? AND outcome = 'quarantined' GROUP BY 1 ORDER BY 2 DESC, 1 LIMIT ?",
-                [run_id, limit],
-            ).fetchall()
-
-    def export_prompts(self, target: Path) -> int:
-        """Write every kept prompt to one Parquet file, atomically."""
-        with self.read() as con:
-            table = con.sql(
-                "SELECT prompt_id, messages, source, record_key, format, n_turns, chars, run_id "
-                "FROM prompts ORDER BY created_at, prompt_id"
-            ).to_arrow_table()
-        write_parquet_atomic(table, target)
-        return table.num_rows
-
-    def benchmarked(self, checkpoint: str, config_hash: str) -> str | None:
-        """The bench_id of a completed benchmark of `checkpoint` under this config, if there is one."""
-        if not self.path.exists():
-            return None
-        with self.read() as con:
-            row = con.execute(
-                "SELECT b.bench_id FROM benchmark_results b JOIN runs r USING (run_id) "
-                "WHERE b.checkpoint = ? AND r.config_hash = ? AND r.state = 'COMPLETED' "
-                "ORDER BY b.created_at DESC LIMIT 1", [checkpoint, config_hash]).fetchone()
-        return row[0] if row else None
-
-    def pipeline_report(self, run_name: str | None = None) -> dict:
-        """What a whole pipeline has done so far, over every run: the demo's closing summary."""
-        with self.read() as con:
-            one = lambda sql, *p: con.execute(sql, list(p)).fetchone()  # noqa: E731
-            outcomes = dict(con.execute("SELECT outcome, count(*) FROM records GROUP BY 1").fetchall())
-            gens, completion = one("SELECT count(*), coalesce(sum(completion_tokens), 0) FROM generations")
-            failed_prompts = one("SELECT count(DISTINCT prompt_id) FROM generation_failures f WHERE NOT EXISTS "
-                                 "(SELECT 1 FROM generations g WHERE g.prompt_id = f.prompt_id)")[0]
-            samples = dict(con.execute("SELECT outcome, count(*) FROM samples GROUP BY 1").fetchall())
-            tokens, masked = one("SELECT coalesce(sum(tokens), 0), coalesce(sum(masked_tokens), 0) FROM samples "
-                                 "WHERE outcome = 'extracted'")
-            shards = dict(con.execute("SELECT state, count(*) FROM shards GROUP BY 1").fetchall())
-            shard_bytes = one("SELECT coalesce(sum(bytes), 0) FROM shards")[0]
-            peak, budget = one("SELECT max((summary->>'peak_disk_bytes')::BIGINT), "
-                               "max((summary->>'disk_budget_bytes')::BIGINT) FROM runs WHERE flow = 'extract'")
-            name_filter = "WHERE run_name = ?" if run_name else ""
-            metric = con.execute(f"SELECT run_name, step, loss, accuracy, conditional_accuracy, tokens FROM train_metrics "
-                                 f"{name_filter} ORDER BY recorded_at DESC, step DESC LIMIT 1",
-                                 [run_name] if run_name else []).fetchone()
-            ckpt = con.execute(f"SELECT checkpoint, path FROM checkpoints {name_filter} "
-                               f"{'AND' if run_name else 'WHERE'} format = 'sglang' ORDER BY created_at DESC LIMIT 1",
-                               [run_name] if run_name else []).fetchone()
-            acceptance: dict[str, float] = {}
-            if ckpt is not None:
-                acceptance = dict(con.execute(
-                    "SELECT drafter, acceptance_token_weighted FROM benchmark_results WHERE bench_id = "
-                    "(SELECT bench_id FROM benchmark_results WHERE checkpoint = ? AND kind = 'offline' "
-                    " ORDER BY created_at DESC LIMIT 1) AND domain = 'all' AND kind = 'offline'", [ckpt[0]]).fetchall())
-        return {
-            "records_in": sum(outcomes.values()), "record_outcomes": outcomes, "kept": outcomes.get("kept", 0),
-            "generations": gens, "completion_tokens": completion, "failed_prompts": failed_prompts,
-            "samples": samples, "tokens": tokens, "masked_tokens": masked,
-            "shards": shards, "shard_bytes_written": shard_bytes, "peak_disk_bytes": peak, "disk_budget_bytes": budget,
-            "train": None if metric is None else dict(zip(
-                ("run_name", "step", "loss", "accuracy", "conditional_accuracy", "tokens"), metric)),
-            "checkpoint": None if ckpt is None else {"checkpoint": ckpt[0], "path": ckpt[1]},
-            "acceptance": acceptance,
-        }
-
-    def checkpoint_lineage(self, checkpoint: str) -> tuple[dict, list[str], list[tuple]]:
-        """A checkpoint (by id, unique id prefix, exported path, or run name: its latest export) and every (round, shard, sample,
-        generation, prompt, source record) it was trained on."""
-        path = str(Path(checkpoint).resolve()) if Path(checkpoint).exists() else checkpoint
-        with self.read() as con:
-            res = con.execute("SELECT * FROM checkpoints WHERE checkpoint = ? OR path = ? OR path = ? "
-                              "OR starts_with(checkpoint, ?) ORDER BY created_at", [checkpoint, checkpoint, path, checkpoint])
-            cols = [d[0] for d in res.description]
-            found = [dict(zip(cols, r)) for r in res.fetchall()]
-            if len(found) > 1 and all(r["run_name"] == checkpoint for r in found):
-                # a training run's name: its latest SGLang export
-                found = [r for r in found if r["format"] == "sglang"][-1:] or found[-1:]
-            if not found:
-                raise LineageError(f"no checkpoint {checkpoint!r} in {self.path}; list them with "
-                                   "`eagle3 sql \"SELECT checkpoint, format, path FROM checkpoints\"`")
-            if len({r["checkpoint"] for r in found}) > 1:
-                raise LineageError(f"{checkpoint!r} matches {len(found)} checkpoints "
-                                   f"({', '.join(r['checkpoint'] for r in found[:5])}); give more of the id")
-            res = con.execute(
-                "SELECT round, shard, sample_id, generation_id, prompt_id, source, record_key FROM checkpoint_lineage "
-                "WHERE checkpoint = ? ORDER BY round, shard, sample_id", [found[0]["checkpoint"]])
-            return found[0], [d[0] for d in res.description], res.fetchall()
-
-    def query_readonly(self, sql: str) -> tuple[list[str], list[tuple]]:
-        """Run one or more read-only statements; return the last one's columns and rows."""
-        with self.read() as con:
-            try:
-                statements = con.extract_statements(sql)
-            except duckdb.Error as e:
-                raise LineageError(f"SQL error: {e}") from None
-            if not statements:
-                raise LineageError("no SQL statement given")
-            for st in statements:
-                if st.type not in _READ_ONLY_TYPES:
-                    raise LineageError(
-                        f"refused: `eagle3 sql` is read-only and this is a {st.type.name} statement; "
-                        "the lineage store is written only by the pipeline's flows"
-                    )
-            try:
-                for st in statements[:-1]:
-                    con.execute(st).fetchall()
-                res = con.execute(statements[-1])
-                cols = [d[0] for d in (res.description or [])]
-                return cols, res.fetchall()
-            except duckdb.Error as e:
-                raise LineageError(f"SQL error: {e}") from None
-
-    def progress(self) -> tuple[list[str], list[tuple]]:
-        return self.query_readonly(
-            "SELECT * FROM progress ORDER BY list_position(['discover', 'regenerate', 'extract', 'train', 'benchmark'], stage)")
-
-
-_READ_ONLY_TYPES = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
-
-_PROMPT_SCHEMA = pa.schema([
-    ("prompt_id", pa.string()),
-    ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-    ("n_turns", pa.int32()),
-    ("chars", pa.int32()),
-    ("source", pa.string()),
-    ("record_key", pa.string()),
-    ("format", pa.string()),
-    ("run_id", pa.string()),
-    ("created_at", pa.timestamp("us", tz="UTC")),
-])
-
-# The lineage row of a generation: its identity fields as in the Parquet files, plus where and how.
-_GENERATION_SCHEMA = pa.schema(
-    [GENERATION_FILE_SCHEMA.field(name) for name in (
-        "generation_id", "prompt_id", "params_key", "target_model", "target_revision", "template_id", "mode",
-        "reasoning", "origin")]
-    + [
-        ("file", pa.string()),
-        ("n_turns", pa.int32()),
-        ("prompt_tokens", pa.int64()),
-        ("completion_tokens", pa.int64()),
-        ("finish_reasons", pa.list_(pa.string())),
-        ("flags", pa.list_(pa.string())),
-        ("has_token_ids", pa.bool_()),
-        ("latency_s", pa.float64()),
-        ("endpoint", pa.string()),
-        ("served_model", pa.string()),
-        ("run_id", pa.string()),
-        ("created_at", pa.timestamp("us", tz="UTC")),
-    ]
-)
-
-_SAMPLE_SCHEMA = pa.schema([
-    ("sample_id", pa.string()),
-    ("generation_id", pa.string()),
-    ("extract_key", pa.string()),
-    ("outcome", pa.string()),
-    ("reason", pa.string()),
-    ("tokens", pa.int32()),
-    ("masked_tokens", pa.int32()),
-    ("truncated_tokens", pa.int32()),
-    ("id_check", pa.string()),
-    ("id_mismatch", pa.string()),
-    ("shard", pa.string()),
-    ("shard_index", pa.int32()),
-    ("run_id", pa.string()),
-    ("created_at", pa.timestamp("us", tz="UTC")),
-])
-
-_METRIC_SCHEMA = pa.schema([
-    ("run_name", pa.string()),
-    ("step", pa.int32()),
-    ("round", pa.int32()),
-    ("epoch", pa.int32()),
-    ("lr", pa.float64()),
-    ("loss", pa.float64()),
-    ("step_loss", pa.list_(pa.float64())),
-    ("accuracy", pa.list_(pa.float64())),
-    ("conditional_accuracy", pa.list_(pa.float64())),
-    ("tokens", pa.int64()),
-    ("grad_norm", pa.float64()),
-    ("run_id", pa.string()),
-    ("recorded_at", pa.timestamp("us", tz="UTC")),
-])
-
-_BENCH_SCHEMA = pa.schema([
-    ("bench_id", pa.string()),
-    ("checkpoint", pa.string()),
-    ("kind", pa.string()),
-    ("config_label", pa.string()),
-    ("drafter", pa.string()),
-    ("domain", pa.string()),
-    ("concurrency", pa.int32()),
-    ("requests", pa.int32()),
-    ("completion_tokens", pa.int64()),
-    ("verify_rounds", pa.int64()),
-    ("acceptance_token_weighted", pa.float64()),
-    ("acceptance_request_mean", pa.float64()),
-    ("acceptance_by_position", pa.list_(pa.float64())),
-    ("output_tok_s", pa.float64()),
-    ("ttft_p50_s", pa.float64()),
-    ("details", pa.string()),
-    ("run_id", pa.string()),
-    ("created_at", pa.timestamp("us", tz="UTC")),
-])

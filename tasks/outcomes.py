@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 
 from storage.lineage import LineageStore
 from tasks.config import NearDedupeConfig
@@ -79,50 +78,6 @@ def _prior_candidates(store: LineageStore, params: str, keys: np.ndarray, num_pe
     return (idx, np.array([pos[p] for p in prompt_ids], dtype=np.int64)), prior_sig, unique_ids
 
 
-def _earlier_twins(store: LineageStore, prompt_ids: list[str]) -> dict[str, tuple[str, float | None]]:
-    """Prompt ids (not stored as prompts) that earlier records were duplicates with, mapped to the
-    stored kept prompt their chain ends at and the similarity recorded on the way.
-
-    Follows `duplicate_of` through earlier duplicate records until it reaches a stored prompt, so
-    rows written before chains were resolved at decision time still lead to a kept prompt. An id
-    whose chain ends nowhere is left out: its record then goes through near-dedupe as new.
-    """
-    if not prompt_ids or not store.path.exists():
-        return {}
-    resolved: dict[str, tuple[str, float | None]] = {}
-    with store.read() as con:
-        # start id -> (id reached, lowest similarity on the way); one step a round, cycles cut at 32.
-        frontier = {p: (p, None) for p in prompt_ids}
-        for _ in range(32):
-            if not frontier:
-                break
-            con.register("ids_in", pa.table({"prompt_id": sorted({cur for cur, _ in frontier.values()})}))
-            rows = con.execute(
-                "SELECT r.prompt_id, r.duplicate_of, r.similarity, p.prompt_id IS NOT NULL FROM records r "
-                "JOIN ids_in USING (prompt_id) LEFT JOIN prompts p ON p.prompt_id = r.duplicate_of "
-                "WHERE r.outcome IN ('exact_duplicate', 'near_duplicate') AND r.duplicate_of IS NOT NULL "
-                "AND r.duplicate_of <> r.prompt_id "
-                "ORDER BY r.recorded_at, r.source, r.record_key"
-            ).fetchall()
-            con.unregister("ids_in")
-            step: dict[str, tuple[str, float | None, bool]] = {}
-            for pid, dup, sim, is_kept in rows:
-                if pid not in step or (is_kept and not step[pid][2]):  # the first, or the first to a kept prompt
-                    step[pid] = (dup, sim, bool(is_kept))
-            nxt = {}
-            for start, (cur, sim) in frontier.items():
-                if cur not in step:
-                    continue
-                dup, s, is_kept = step[cur]
-                sim = s if sim is None else sim if s is None else min(sim, s)
-                if is_kept:
-                    resolved[start] = (dup, sim)
-                else:
-                    nxt[start] = (dup, sim)
-            frontier = nxt
-    return resolved
-
-
 def decide_outcomes(
     records: list[RawRecord],
     formats: dict[str, tuple[str, str, str]],
@@ -157,7 +112,7 @@ def decide_outcomes(
 
     batch_ids = sorted({p.prompt_id for _, p in candidates})
     stored = store.existing_prompt_ids(batch_ids)
-    earlier = _earlier_twins(store, [p for p in batch_ids if p not in stored])
+    earlier = store.duplicate_chain_targets([p for p in batch_ids if p not in stored])
     first_seen: set[str] = set()
     unique: list[tuple[int, Prompt]] = []
     twins: list[tuple[int, Prompt]] = []  # exact duplicates of an earlier record of this batch

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from storage.lineage import MIGRATIONS, LineageError, LineageStore
+from storage.lineage import LineageError, LineageStore
+from storage.schema import MIGRATIONS
 
 WRITER = textwrap.dedent(
     """

@@ -1,0 +1,150 @@
+"""Reads that answer a person's questions of the lineage store: summaries, lineage, read-only SQL.
+
+A mixin of `storage.lineage.LineageStore` (it uses the store's `read()`): the queries behind
+`eagle3 status`, `eagle3 sql`, `eagle3 lineage` and the pipeline's closing summary. Promises:
+`query_readonly` runs only SELECT/EXPLAIN statements; every method opens the file read-only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+
+from storage.datasets import write_parquet_atomic
+from storage.errors import LineageError
+from storage.schema import OUTCOMES
+
+_READ_ONLY_TYPES = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
+
+
+class LineageReports:
+
+    def outcome_counts(self, run_id: str | None = None) -> dict[str, int]:
+        counts = {o: 0 for o in OUTCOMES}
+        if not self.path.exists():
+            return counts
+        with self.read() as con:
+            sql = "SELECT outcome, count(*) FROM records"
+            rows = con.execute(sql + (" WHERE run_id = ? GROUP BY 1" if run_id else " GROUP BY 1"), [run_id] if run_id else []).fetchall()
+        counts.update(dict(rows))
+        return counts
+
+    def quarantine_reasons(self, run_id: str, limit: int = 10) -> list[tuple[str, int]]:
+        with self.read() as con:
+            return con.execute(
+                "SELECT regexp_replace(reason, '[0-9]+', 'N', 'g') AS why, count(*) FROM records "
+                "WHERE run_id = ? AND outcome = 'quarantined' GROUP BY 1 ORDER BY 2 DESC, 1 LIMIT ?",
+                [run_id, limit],
+            ).fetchall()
+
+    def export_prompts(self, target: Path) -> int:
+        """Write every kept prompt to one Parquet file, atomically."""
+        with self.read() as con:
+            table = con.sql(
+                "SELECT prompt_id, messages, source, record_key, format, n_turns, chars, run_id "
+                "FROM prompts ORDER BY created_at, prompt_id"
+            ).to_arrow_table()
+        write_parquet_atomic(table, target)
+        return table.num_rows
+
+    def benchmarked(self, checkpoint: str, config_hash: str) -> str | None:
+        """The bench_id of a completed benchmark of `checkpoint` under this config, if there is one."""
+        if not self.path.exists():
+            return None
+        with self.read() as con:
+            row = con.execute(
+                "SELECT b.bench_id FROM benchmark_results b JOIN runs r USING (run_id) "
+                "WHERE b.checkpoint = ? AND r.config_hash = ? AND r.state = 'COMPLETED' "
+                "ORDER BY b.created_at DESC LIMIT 1", [checkpoint, config_hash]).fetchone()
+        return row[0] if row else None
+
+    def pipeline_report(self, run_name: str | None = None) -> dict:
+        """What a whole pipeline has done so far, over every run: the demo's closing summary."""
+        with self.read() as con:
+            one = lambda sql, *p: con.execute(sql, list(p)).fetchone()  # noqa: E731
+            outcomes = dict(con.execute("SELECT outcome, count(*) FROM records GROUP BY 1").fetchall())
+            gens, completion = one("SELECT count(*), coalesce(sum(completion_tokens), 0) FROM generations")
+            failed_prompts = one("SELECT count(DISTINCT prompt_id) FROM generation_failures f WHERE NOT EXISTS "
+                                 "(SELECT 1 FROM generations g WHERE g.prompt_id = f.prompt_id)")[0]
+            samples = dict(con.execute("SELECT outcome, count(*) FROM samples GROUP BY 1").fetchall())
+            tokens, masked = one("SELECT coalesce(sum(tokens), 0), coalesce(sum(masked_tokens), 0) FROM samples "
+                                 "WHERE outcome = 'extracted'")
+            shards = dict(con.execute("SELECT state, count(*) FROM shards GROUP BY 1").fetchall())
+            shard_bytes = one("SELECT coalesce(sum(bytes), 0) FROM shards")[0]
+            peak, budget = one("SELECT max((summary->>'peak_disk_bytes')::BIGINT), "
+                               "max((summary->>'disk_budget_bytes')::BIGINT) FROM runs WHERE flow = 'extract'")
+            name_filter = "WHERE run_name = ?" if run_name else ""
+            metric = con.execute(f"SELECT run_name, step, loss, accuracy, conditional_accuracy, tokens FROM train_metrics "
+                                 f"{name_filter} ORDER BY recorded_at DESC, step DESC LIMIT 1",
+                                 [run_name] if run_name else []).fetchone()
+            ckpt = con.execute(f"SELECT checkpoint, path FROM checkpoints {name_filter} "
+                               f"{'AND' if run_name else 'WHERE'} format = 'sglang' ORDER BY created_at DESC LIMIT 1",
+                               [run_name] if run_name else []).fetchone()
+            acceptance: dict[str, float] = {}
+            if ckpt is not None:
+                acceptance = dict(con.execute(
+                    "SELECT drafter, acceptance_token_weighted FROM benchmark_results WHERE bench_id = "
+                    "(SELECT bench_id FROM benchmark_results WHERE checkpoint = ? AND kind = 'offline' "
+                    " ORDER BY created_at DESC LIMIT 1) AND domain = 'all' AND kind = 'offline'", [ckpt[0]]).fetchall())
+        return {
+            "records_in": sum(outcomes.values()), "record_outcomes": outcomes, "kept": outcomes.get("kept", 0),
+            "generations": gens, "completion_tokens": completion, "failed_prompts": failed_prompts,
+            "samples": samples, "tokens": tokens, "masked_tokens": masked,
+            "shards": shards, "shard_bytes_written": shard_bytes, "peak_disk_bytes": peak, "disk_budget_bytes": budget,
+            "train": None if metric is None else dict(zip(
+                ("run_name", "step", "loss", "accuracy", "conditional_accuracy", "tokens"), metric)),
+            "checkpoint": None if ckpt is None else {"checkpoint": ckpt[0], "path": ckpt[1]},
+            "acceptance": acceptance,
+        }
+
+    def checkpoint_lineage(self, checkpoint: str) -> tuple[dict, list[str], list[tuple]]:
+        """A checkpoint (by id, unique id prefix, exported path, or run name: its latest export) and every (round, shard, sample,
+        generation, prompt, source record) it was trained on."""
+        path = str(Path(checkpoint).resolve()) if Path(checkpoint).exists() else checkpoint
+        with self.read() as con:
+            res = con.execute("SELECT * FROM checkpoints WHERE checkpoint = ? OR path = ? OR path = ? "
+                              "OR starts_with(checkpoint, ?) ORDER BY created_at", [checkpoint, checkpoint, path, checkpoint])
+            cols = [d[0] for d in res.description]
+            found = [dict(zip(cols, r)) for r in res.fetchall()]
+            if len(found) > 1 and all(r["run_name"] == checkpoint for r in found):
+                # a training run's name: its latest SGLang export
+                found = [r for r in found if r["format"] == "sglang"][-1:] or found[-1:]
+            if not found:
+                raise LineageError(f"no checkpoint {checkpoint!r} in {self.path}; list them with "
+                                   "`eagle3 sql \"SELECT checkpoint, format, path FROM checkpoints\"`")
+            if len({r["checkpoint"] for r in found}) > 1:
+                raise LineageError(f"{checkpoint!r} matches {len(found)} checkpoints "
+                                   f"({', '.join(r['checkpoint'] for r in found[:5])}); give more of the id")
+            res = con.execute(
+                "SELECT round, shard, sample_id, generation_id, prompt_id, source, record_key FROM checkpoint_lineage "
+                "WHERE checkpoint = ? ORDER BY round, shard, sample_id", [found[0]["checkpoint"]])
+            return found[0], [d[0] for d in res.description], res.fetchall()
+
+    def query_readonly(self, sql: str) -> tuple[list[str], list[tuple]]:
+        """Run one or more read-only statements; return the last one's columns and rows."""
+        with self.read() as con:
+            try:
+                statements = con.extract_statements(sql)
+            except duckdb.Error as e:
+                raise LineageError(f"SQL error: {e}") from None
+            if not statements:
+                raise LineageError("no SQL statement given")
+            for st in statements:
+                if st.type not in _READ_ONLY_TYPES:
+                    raise LineageError(
+                        f"refused: `eagle3 sql` is read-only and this is a {st.type.name} statement; "
+                        "the lineage store is written only by the pipeline's flows"
+                    )
+            try:
+                for st in statements[:-1]:
+                    con.execute(st).fetchall()
+                res = con.execute(statements[-1])
+                cols = [d[0] for d in (res.description or [])]
+                return cols, res.fetchall()
+            except duckdb.Error as e:
+                raise LineageError(f"SQL error: {e}") from None
+
+    def progress(self) -> tuple[list[str], list[tuple]]:
+        return self.query_readonly(
+            "SELECT * FROM progress ORDER BY list_position(['discover', 'regenerate', 'extract', 'train', 'benchmark'], stage)")
