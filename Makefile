@@ -17,10 +17,28 @@ browser:
 	  $$SUDO apt-get install -y -qq chromium >/dev/null 2>&1 || \
 	  { $$SUDO apt-get update -qq >/dev/null && $$SUDO apt-get install -y -qq chromium >/dev/null; }; }
 
-$(STAMP): pyproject.toml
+# llama.cpp is compiled here from source, for any x86-64 CPU with AVX2 (FMA, F16C, BMI2): never
+# -march=native (GGML_NATIVE), which puts the build machine's AVX-512/AMX into the library and dies
+# of SIGILL on a CPU of the same machine kind that lacks them. The flags live in one place,
+# serving/llama_build.py (the benchmarks build llama.cpp's own tools with the same ones). pip's
+# cache is bypassed for it (a wheel cached from a native build elsewhere would be reused
+# silently); the flags it was built with are recorded in .venv/.llama-cpp-build, and a venv
+# holding another build is rebuilt. `eagle3 check-install` then proves the server runs here.
+LLAMA_CPP_VERSION  := 0.3.36
+LLAMA_CMAKE_ARGS   := $(shell $(PYTHON) serving/llama_build.py cmake-args)
+LLAMA_BUILD_STAMP  := $(VENV)/.llama-cpp-build
+LLAMA_BUILD_ID     := llama-cpp-python==$(LLAMA_CPP_VERSION) $(LLAMA_CMAKE_ARGS)
+
+$(STAMP): pyproject.toml serving/llama_build.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	@if [ "$$(cat $(LLAMA_BUILD_STAMP) 2>/dev/null)" != "$(LLAMA_BUILD_ID)" ]; then \
+	  echo "building llama-cpp-python $(LLAMA_CPP_VERSION) from source, portable x86-64 (AVX2), several minutes"; \
+	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install -q --no-cache-dir --force-reinstall --no-deps \
+	    --no-binary llama-cpp-python 'llama-cpp-python==$(LLAMA_CPP_VERSION)' && \
+	  echo "$(LLAMA_BUILD_ID)" > $(LLAMA_BUILD_STAMP); fi
 	$(PY) -m pip install -q -e '.[test,bench]'
+	$(VENV)/bin/eagle3 check-install
 	touch $@
 
 # The whole pipeline on the embedded default; run it again to resume (or continue) the same workspace.

@@ -37,7 +37,7 @@ def main() -> None:
     n_train, n_eval, epochs = (40, 6, 4) if args.quick else (160, 16, 6)
 
     from flows.prefect_api import start_local_api
-    from serving.launch import free_port
+    from serving.embedded import free_port
 
     home = Path(tempfile.mkdtemp(prefix="eagle3-bench-prefect-"))
     port = free_port()

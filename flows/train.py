@@ -330,7 +330,7 @@ def _export(config: TrainConfig, draft: Eagle3Draft, store: LineageStore, run_id
             "checkpoint": name, "run_name": config.run_name, "step": state.step, "format": fmt, "path": str(folder),
             "sha256": weights_sha256(folder), "rounds": state.rounds_done, "target": identity.name,
             "target_revision": identity.revision, "aux_layer_ids": aux_ids, "vocab_id": vocab_id, "extract_key": ekey})
-        summary.exports[fmt] = str(folder)
+        summary.exports[fmt] = str(folder.resolve())
 
 
 def curves_png(metrics: list[dict], path: Path) -> Path:

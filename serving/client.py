@@ -4,7 +4,10 @@ Owns HTTP: balancing by outstanding requests, a concurrency limit per endpoint, 
 retries with exponential backoff and full jitter (429 honouring Retry-After, 5xx, connection
 resets, timeouts, malformed or truncated bodies), and ejecting an endpoint that keeps failing
 until a health probe brings it back. Promises: a request either returns a `ChatResult` or raises
-`RequestFailed` with the last reason and the attempt count; API keys are read from the
+`RequestFailed` with the last reason and the attempt count (`unreachable` when no server answered
+its last attempt); while every endpoint is out, requests wait for a probe to bring one back, and
+once that has lasted `outage_window_s` each of them raises one `EndpointsDown` that names the
+endpoints and their last errors (an outage, never a per-request failure); API keys are read from the
 environment (or a Prefect Secret block) at call time and never appear in a message, a log line,
 `repr` or a result.
 """
@@ -45,6 +48,9 @@ class RetryPolicy:
     read_timeout_s: float = 600.0
     eject_after_failures: int = 5  # consecutive failures that take an endpoint out
     probe_interval_s: float = 10.0  # how often an ejected endpoint is probed
+    # Every endpoint out for this long is an outage: stop and say so (a TP-8 server can restart in
+    # a few minutes, so a shorter wait would stop a multi-day run for a routine restart).
+    outage_window_s: float = 300.0
 
 
 @dataclass
@@ -63,10 +69,18 @@ class ChatResult:
 
 
 class RequestFailed(RuntimeError):
-    def __init__(self, reason: str, attempts: int):
+    """One request's attempts ran out. `unreachable`: its last attempt reached no server at all
+    (refused, reset, timed out), so the request itself may be fine and is worth asking again later."""
+
+    def __init__(self, reason: str, attempts: int, unreachable: bool = False):
         super().__init__(f"{reason} (after {attempts} attempt{'s' if attempts != 1 else ''})")
         self.reason = reason
         self.attempts = attempts
+        self.unreachable = unreachable
+
+
+class EndpointsDown(RuntimeError):
+    """Every endpoint has been out for longer than the outage window: stop, do not fail requests."""
 
 
 class _Retryable(Exception):
@@ -115,6 +129,8 @@ class _EndpointState:
         self.clients: list[httpx.AsyncClient] = []
         self.failing_requests: set[int] = set()  # distinct requests failed since the last success
         self.ejected = False
+        self.ejected_at = 0.0  # time.monotonic() of the latest ejection
+        self.last_error: str | None = None
         self.probe_task: asyncio.Task | None = None
         self.requests = 0
         self.failures = 0
@@ -179,10 +195,6 @@ def parse_sglang_generate(body: bytes, endpoint: str) -> dict:
 _CONNECTIONS_PER_CLIENT = 8
 
 
-class _NoEndpoint(Exception):
-    pass
-
-
 class ServerPool:
     """Requests spread over endpoints; use as `async with ServerPool(...) as pool`."""
 
@@ -195,7 +207,10 @@ class ServerPool:
         self._keys: dict[str, str | None] = {}
         self._request_ids = itertools.count()
         self.stats = PoolStats()
-        self._changed = asyncio.Condition()
+        # Wakes requests waiting out an ejection. An Event, not a Condition: a Condition's waiter must
+        # re-acquire its lock when cancelled, and cancelling many at once (an outage stopping the
+        # stage) left asyncio.run waiting forever on Python 3.11.
+        self._changed = asyncio.Event()
         self._capacity = asyncio.Semaphore(sum(s.ep.max_concurrency for s in self._states))
 
     async def __aenter__(self) -> "ServerPool":
@@ -222,11 +237,10 @@ class ServerPool:
         """The live endpoint with the fewest outstanding requests (ties at random), and a slot on it.
 
         Callers queue on a pool-wide semaphore first (one waiter woken per freed slot, in order),
-        so thousands of queued requests cost nothing while they wait. Raises _NoEndpoint when
-        every endpoint stays ejected for two probe intervals.
+        so thousands of queued requests cost nothing while they wait. While every endpoint is
+        ejected it waits for a probe; past `outage_window_s` of that it raises EndpointsDown.
         """
         await self._capacity.acquire()
-        all_out_since = None
         try:
             while True:
                 live = [s for s in self._states if not s.ejected and s.outstanding < s.ep.max_concurrency]
@@ -237,20 +251,29 @@ class ServerPool:
                     return state, state.free_slots.pop()
                 # Only while endpoints are ejected can a capacity holder find no free slot.
                 if all(s.ejected for s in self._states):
-                    now = time.monotonic()
-                    all_out_since = all_out_since or now
-                    if now - all_out_since > 2 * self.policy.probe_interval_s:
-                        raise _NoEndpoint("no endpoint available: every endpoint is ejected and failing its probe")
-                async with self._changed:
-                    try:
-                        await asyncio.wait_for(self._changed.wait(), timeout=0.5)
-                    except asyncio.TimeoutError:
-                        pass
+                    all_out_since = max(s.ejected_at for s in self._states)
+                    if time.monotonic() - all_out_since > self.policy.outage_window_s:
+                        raise EndpointsDown(self._outage_message(time.monotonic() - all_out_since))
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    pass
         except BaseException:
             self._capacity.release()
             raise
 
-    async def _release(self, state: _EndpointState, slot: int, failure_token: int | None) -> None:
+    def _notify(self) -> None:
+        self._changed.set()  # wakes every current waiter ...
+        self._changed.clear()  # ... and later ones wait for the next change
+
+    def _outage_message(self, seconds: float) -> str:
+        down = "; ".join(f"{s.ep.url} (last error: {s.last_error or 'none recorded'})" for s in self._states)
+        return (f"every endpoint has been unreachable for {seconds:.0f} s (the outage window, "
+                f"retry.outage_window_s = {self.policy.outage_window_s:g} s): {down}. No request was recorded as "
+                "failed because of it; bring a server back and run the same command to continue")
+
+    async def _release(self, state: _EndpointState, slot: int, failure_token: int | None,
+                       error: str | None = None) -> None:
         """Give the slot back; `failure_token` is None on success, else what the failure counts as."""
         state.outstanding -= 1
         state.free_slots.append(slot)
@@ -261,15 +284,16 @@ class ServerPool:
             state.failing_requests.clear()
         else:
             state.failures += 1
+            state.last_error = error or state.last_error
             self.stats.failures[state.ep.url] = state.failures
             state.failing_requests.add(failure_token)
             if len(state.failing_requests) >= self.policy.eject_after_failures and not state.ejected:
                 state.ejected = True
+                state.ejected_at = time.monotonic()
                 self.stats.ejections += 1
                 state.probe_task = asyncio.create_task(self._probe_until_back(state))
         if any(s.ejected for s in self._states):
-            async with self._changed:  # wake holders waiting out an ejection
-                self._changed.notify_all()
+            self._notify()  # wake holders waiting out an ejection
 
     async def _probe_until_back(self, state: _EndpointState) -> None:
         """An ejected endpoint gets no real request until GET /v1/models answers 200 again."""
@@ -279,13 +303,15 @@ class ServerPool:
                 r = await state.clients[0].get(state.ep.url.rstrip("/") + "/v1/models", headers=self._headers(state), timeout=5.0)
                 if r.status_code == 200:
                     break
-            except httpx.HTTPError:
-                pass
+                state.last_error = f"HTTP {r.status_code} from the probe GET /v1/models"
+            except httpx.TransportError as e:
+                state.last_error = f"connection error ({type(e).__name__}) from the probe GET /v1/models"
+            except httpx.HTTPError as e:
+                state.last_error = f"{type(e).__name__} from the probe GET /v1/models"
         state.ejected = False
         state.failing_requests.clear()
         state.probe_task = None
-        async with self._changed:
-            self._changed.notify_all()
+        self._notify()
 
     def _headers(self, state: _EndpointState) -> dict:
         key = self._keys.get(state.ep.url)
@@ -322,33 +348,30 @@ class ServerPool:
     async def request(self, payload: dict, path: str = "/v1/chat/completions") -> ChatResult:
         """POST `payload`, retrying what can be retried; raises RequestFailed when attempts run out."""
         reason = "no attempt made"
+        unreachable = False
         request_id = next(self._request_ids)
         for attempt in range(1, self.policy.max_attempts + 1):
             retry_after = None
+            state, slot = await self._acquire()  # EndpointsDown propagates: an outage, not this request's failure
+            start = time.perf_counter()
             try:
-                state, slot = await self._acquire()
-            except _NoEndpoint as e:
-                reason = str(e)
+                fields = await self._send_once(state, slot, payload, path)
+            except _Retryable as e:
+                # A server that does not answer counts every attempt against it; an error
+                # answer counts once per request, so one poisoned prompt retried on a
+                # healthy server cannot take that server out.
+                token = next(self._request_ids) if e.transport else request_id
+                reason, retry_after, unreachable = self._redact(e.reason), e.retry_after_s, e.transport
+                await self._release(state, slot, token, reason)
+            except _Fatal as e:
+                await self._release(state, slot, None)  # the endpoint works; the request is bad
+                raise RequestFailed(str(e), attempt) from None
+            except BaseException:
+                await self._release(state, slot, None)
+                raise
             else:
-                start = time.perf_counter()
-                try:
-                    fields = await self._send_once(state, slot, payload, path)
-                except _Retryable as e:
-                    # A server that does not answer counts every attempt against it; an error
-                    # answer counts once per request, so one poisoned prompt retried on a
-                    # healthy server cannot take that server out.
-                    token = next(self._request_ids) if e.transport else request_id
-                    await self._release(state, slot, token)
-                    reason, retry_after = self._redact(e.reason), e.retry_after_s
-                except _Fatal as e:
-                    await self._release(state, slot, None)  # the endpoint works; the request is bad
-                    raise RequestFailed(str(e), attempt) from None
-                except BaseException:
-                    await self._release(state, slot, None)
-                    raise
-                else:
-                    await self._release(state, slot, None)
-                    return ChatResult(**fields, endpoint=state.ep.url, latency_s=time.perf_counter() - start, attempts=attempt)
+                await self._release(state, slot, None)
+                return ChatResult(**fields, endpoint=state.ep.url, latency_s=time.perf_counter() - start, attempts=attempt)
             if attempt == self.policy.max_attempts:
                 break
             backoff = min(self.policy.backoff_max_s, self.policy.backoff_base_s * 2 ** (attempt - 1))
@@ -356,7 +379,7 @@ class ServerPool:
             if retry_after is not None:
                 delay = max(delay, min(retry_after, self.policy.backoff_max_s))
             await asyncio.sleep(delay)
-        raise RequestFailed(reason, self.policy.max_attempts)
+        raise RequestFailed(reason, self.policy.max_attempts, unreachable)
 
     async def chat(self, messages: list[dict], model: str | None = None, **params) -> ChatResult:
         payload = {"messages": messages, **params}

@@ -236,7 +236,7 @@ def spawn(*args: str, port: int | None = None, log_path: Path | None = None, com
     """
     import httpx
 
-    from serving.launch import free_port
+    from serving.embedded import free_port
 
     port = port or free_port()
     root = Path(__file__).resolve().parent.parent

@@ -139,6 +139,9 @@ class RetryConfig(Strict):
     read_timeout_s: float = Field(default=600.0, gt=0)
     eject_after_failures: int = Field(default=5, ge=1)
     probe_interval_s: float = Field(default=10.0, gt=0)
+    outage_window_s: float = Field(
+        default=300.0, gt=0,
+        description="Every endpoint down this long stops the stage with one error (prompts stay pending).")
 
 
 class EmbeddedServerConfig(Strict):

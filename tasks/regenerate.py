@@ -4,8 +4,11 @@ Owns generation identity, the conversation walk for modes `last` and `all`, reas
 flags, and the async fan-out over a server pool. Promises:
 - A generation's id hashes the prompt id and `params_key` (target model and revision, chat
   template, mode, reasoning handling, sampling parameters), so resume is by id, never by count.
-- Every prompt handed to `regenerate_all` ends as exactly one generation or one failure (with
-  the reason and the attempt count); nothing is dropped.
+- Every prompt handed to `regenerate_all` ends as exactly one generation, one failure (with
+  the reason and the attempt count) or one deferral (no server answered its last attempt: it
+  stays pending for the next run); nothing is dropped. An outage of every endpoint
+  (`EndpointsDown`) or a dead embedded server stops the whole call instead: what was written stays
+  written, the rest stays pending.
 - Empty completions and (if asked) `finish_reason=length` are flagged, never silently kept.
 """
 
@@ -201,9 +204,10 @@ def lineage_row(g: dict, file: str) -> dict:
 class Outcome:
     generation: dict | None = None
     failure: dict | None = None
+    deferral: dict | None = None  # the failure fields, for a request no server answered
 
 
-BatchWriter = Callable[[list[dict], list[dict]], None]
+BatchWriter = Callable[[list[dict], list[dict], list[dict]], None]
 
 
 async def regenerate_all(
@@ -214,15 +218,16 @@ async def regenerate_all(
     write_batch: BatchWriter,
     concurrency: int,
     on_progress: Callable[[int, int], Awaitable[None] | None] | None = None,
-) -> tuple[int, int]:
+) -> tuple[int, int, int]:
     """Generate for every pending prompt; hand finished work to `write_batch` in batches.
 
-    `write_batch(generations, failures)` runs in a worker thread, one batch at a time, in the
-    order batches fill; only what it has written counts as done. Returns (generated, failed).
+    `write_batch(generations, failures, deferrals)` runs in a worker thread, one batch at a time,
+    in the order batches fill; only what it has written counts as done. Returns (generated,
+    failed, deferred).
     """
     queue: asyncio.Queue = asyncio.Queue()
     todo = iter(pending)  # shared by the workers: each prompt is taken exactly once
-    done_gen = done_fail = 0
+    done_gen = done_fail = done_defer = 0
 
     async def worker() -> None:
         for prompt_id, messages in todo:
@@ -230,15 +235,15 @@ async def regenerate_all(
                 out, turns = await regenerate_conversation(pool, messages, cfg)
                 await queue.put(Outcome(generation=generation_row(spec, prompt_id, out, turns, "server")))
             except RequestFailed as e:
-                await queue.put(Outcome(failure={
-                    "generation_id": generation_id(prompt_id, spec.params_key), "prompt_id": prompt_id,
-                    "params_key": spec.params_key, "reason": e.reason, "attempts": e.attempts,
-                }))
+                row = {"generation_id": generation_id(prompt_id, spec.params_key), "prompt_id": prompt_id,
+                       "params_key": spec.params_key, "reason": e.reason, "attempts": e.attempts}
+                await queue.put(Outcome(deferral=row) if e.unreachable else Outcome(failure=row))
 
     async def writer() -> None:
-        nonlocal done_gen, done_fail
+        nonlocal done_gen, done_fail, done_defer
         gens: list[dict] = []
         fails: list[dict] = []
+        defers: list[dict] = []
         last_flush = time.monotonic()
         finished = 0
         while finished < len(pending):
@@ -248,14 +253,19 @@ async def regenerate_all(
                 item = None
             if item is not None:
                 finished += 1
-                (gens.append(item.generation) if item.generation else fails.append(item.failure))
+                if item.generation:
+                    gens.append(item.generation)
+                else:
+                    (fails.append(item.failure) if item.failure else defers.append(item.deferral))
             # Flush on size, on time (slow servers still make progress durable), and at the end.
-            due = len(gens) + len(fails) >= cfg.write_batch or time.monotonic() - last_flush > 30 or finished == len(pending)
-            if due and (gens or fails):
-                await asyncio.to_thread(write_batch, gens, fails)
+            n = len(gens) + len(fails) + len(defers)
+            due = n >= cfg.write_batch or time.monotonic() - last_flush > 30 or finished == len(pending)
+            if due and n:
+                await asyncio.to_thread(write_batch, gens, fails, defers)
                 done_gen += len(gens)
                 done_fail += len(fails)
-                gens, fails = [], []
+                done_defer += len(defers)
+                gens, fails, defers = [], [], []
                 last_flush = time.monotonic()
                 if on_progress is not None:
                     res = on_progress(done_gen, done_fail)
@@ -272,7 +282,7 @@ async def regenerate_all(
             t.cancel()
         writer_task.cancel()
         raise
-    return done_gen, done_fail
+    return done_gen, done_fail, done_defer
 
 
 def imported_generations(records: list[RawRecord], outcome_rows: list[dict], spec: GenerationSpec, have: set[str]) -> list[dict]:
@@ -312,7 +322,8 @@ class GenerationWriter:
         self.store, self.spec, self.run_id, self.folder = store, spec, run_id, folder
         self.files = 0
 
-    def write(self, gens: list[dict], fails: list[dict], name: str | None = None, discover_batch=None) -> int:
+    def write(self, gens: list[dict], fails: list[dict], name: str | None = None, discover_batch=None,
+              deferrals: list[dict] = ()) -> int:
         """Write one batch; returns its completion tokens."""
         file_row, rows = None, []
         if gens:
@@ -321,7 +332,7 @@ class GenerationWriter:
             size, digest = write_generation_file(gens, self.folder / name)
             file_row = {"file": name, "params_key": self.spec.params_key, "rows": len(gens), "bytes": size, "sha256": digest}
             rows = [lineage_row(g, name) for g in gens]
-        self.store.write_generations(self.run_id, file_row, rows, fails, discover_batch)
+        self.store.write_generations(self.run_id, file_row, rows, fails, discover_batch, deferrals)
         return sum(r["completion_tokens"] or 0 for r in rows)
 
 

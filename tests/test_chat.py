@@ -197,7 +197,7 @@ def test_the_mismatch_check_finds_a_one_token_difference(tok):
 
 
 def test_prompt_tokens_equal_the_llama_cpp_servers_count(tok, tmp_path):
-    from serving.launch import LlamaCppServer
+    from serving.embedded import LlamaCppServer
 
     conversations = [THREE_TURNS[:2], THREE_TURNS,
                      [{"role": "system", "content": "Be brief."}, *THREE_TURNS[:4]],

@@ -30,8 +30,8 @@ if str(ROOT) not in sys.path:  # when this file runs as the recording server
 import httpx  # noqa: E402
 import pytest  # noqa: E402
 
-from serving.client import ChatResult, Endpoint, RequestFailed, RetryPolicy, ServerPool  # noqa: E402
-from serving.launch import free_port  # noqa: E402
+from serving.client import ChatResult, Endpoint, EndpointsDown, RequestFailed, RetryPolicy, ServerPool  # noqa: E402
+from serving.embedded import free_port  # noqa: E402
 from serving.scripted_server import answer_for, spawn  # noqa: E402
 
 KEY_VAR = "EAGLE3_TEST_CLIENT_API_KEY"
@@ -287,9 +287,9 @@ def test_when_every_endpoint_is_out_a_models_probe_brings_one_back(servers):
 
     r = run(main())
     assert r.content == answer_for(user("wait for me"), NO_LIMIT)[0]
-    # two refused, then one that worked after the probe; waiting for a probe longer than two
-    # probe intervals counts as an attempt too (the wait is bounded), so a slow start adds some
-    assert 3 <= r.attempts <= 6
+    # two refused (the endpoint is then out), then one that worked after the probe: waiting for
+    # the probe is no attempt, however slowly the server starts (inside the outage window)
+    assert r.attempts == 3
     seen = [(m, p) for m, p, _ in server_stats(url)["seen"]]
     assert ("GET", "/v1/models") in seen
     assert seen.index(("GET", "/v1/models")) < seen.index(("POST", "/v1/chat/completions"))
@@ -521,3 +521,39 @@ def _recording_server_main(argv: list[str]) -> None:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--recording-server"]:
     _recording_server_main(sys.argv[2:])
+
+
+# ---------------------------------------------------------------- outages and unreachable servers
+
+
+@pytest.mark.timeout(60)
+def test_every_endpoint_down_past_the_window_raises_one_named_error_not_request_failures(servers):
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    policy = fast_policy(eject_after_failures=2, probe_interval_s=0.2, outage_window_s=1.0)
+
+    async def main():
+        async with ServerPool([Endpoint(u, max_concurrency=2) for u in dead], policy, seed=1) as pool:
+            started = time.monotonic()
+            results = await asyncio.gather(*(pool.chat(user(f"q{i}")) for i in range(6)), return_exceptions=True)
+            return results, time.monotonic() - started
+
+    results, took = run(main())
+    assert all(isinstance(r, EndpointsDown) for r in results), results  # no request counts as failed
+    message = str(results[0])
+    assert all(u in message for u in dead) and "connection error" in message and "1 s" in message
+    assert 1.0 <= took < 10
+
+
+@pytest.mark.timeout(60)
+def test_a_request_whose_last_attempt_reached_no_server_is_marked_unreachable(servers):
+    failing = servers.start("--fail-500", "1.0")
+    dead = f"http://127.0.0.1:{free_port()}"
+    policy = fast_policy(max_attempts=2, eject_after_failures=1000)  # never ejected: attempts run out first
+
+    async def main(url):
+        async with ServerPool([Endpoint(url)], policy) as pool:
+            return await settle(pool, user("q"))
+
+    unreachable, answered = run(main(dead)), run(main(failing))
+    assert isinstance(unreachable, RequestFailed) and unreachable.unreachable
+    assert isinstance(answered, RequestFailed) and not answered.unreachable and "HTTP 500" in answered.reason

@@ -17,8 +17,9 @@ import httpx
 import pytest
 import torch
 
-from serving.launch import (BaselineSpec, LlamaCppServer, ServerStartError, kimi_k25_baseline, port_free,
-                            sglang_baseline_command, validate_baseline_command, vllm_baseline_command)
+from serving.embedded import LlamaCppServer, ServerStartError, port_free
+from serving.launch import (BaselineSpec, kimi_k25_baseline, sglang_baseline_command, validate_baseline_command,
+                            vllm_baseline_command)
 from tasks.target import greedy_generate, load_target, smollm2_gguf_path
 
 GGUF = smollm2_gguf_path()
@@ -82,7 +83,7 @@ def test_ctrl_c_stops_the_server_and_propagates(tmp_path):
 
 
 def test_a_killed_parent_takes_its_server_along(tmp_path):
-    code = ("import sys, time\nfrom serving.launch import LlamaCppServer\n"
+    code = ("import sys, time\nfrom serving.embedded import LlamaCppServer\n"
             f"s = LlamaCppServer({str(GGUF)!r}, log_path={str(tmp_path / 's.log')!r})\n"
             "s.start()\nprint(s.pid, flush=True)\ntime.sleep(600)\n")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
@@ -136,14 +137,16 @@ def test_a_missing_gguf_or_a_busy_port_fail_before_starting(tmp_path):
 # ---- agreement with the transformers target ------------------------------------------------------
 
 # Q4_1 weights are used as they are by llama.cpp (with 8-bit quantised activations in its dot
-# products), and dequantised to bf16 by transformers: the two log-probabilities of a token differ
-# by up to ~0.33 nats (measured), so greedy choices can flip wherever the target's top two are
-# near-tied. What must hold is therefore: (1) every token the server chose is within
-# MARGIN_NATS of the target's best choice given the same context (a repetition penalty of 1.1,
-# llama.cpp's default, misses it by 1.75-1.9 nats on two of these prompts); (2) the two greedy outputs
-# agree at least up to the first position where the target's top two are closer than
-# MARGIN_NATS: before it a flip is impossible unless something other than arithmetic differs.
-# The prompts are chosen so that (2) covers >= 8 leading tokens each.
+# products), and dequantised exactly to float32 by transformers (the target below is float32, never
+# the default bf16, whose greedy path and margins depend on the CPU's bf16 rounding): the two
+# log-probabilities of a token differ by up to ~0.25 nats (measured), so greedy choices can flip
+# wherever the target's top two are near-tied. What must hold is therefore: (1) every token the
+# server chose is within MARGIN_NATS of the target's best choice given the same context (a
+# repetition penalty of 1.1, llama.cpp's default, misses it by 1.3-1.8 nats on two of these prompts);
+# (2) the two greedy outputs agree at least up to the first position where the target's top two
+# are closer than MARGIN_NATS: before it a flip is impossible unless something other than arithmetic
+# differs. The prompts are chosen so that (2) covers >= 8 leading tokens each (float32: 11, 9, 8;
+# the margins before those positions are >= 1.17 nats, far from MARGIN_NATS on any CPU).
 MARGIN_NATS = 1.0
 AGREEMENT_PROMPTS = ["How do I make a cup of tea?", "Name the largest ocean on Earth.",
                      "What is the chemical symbol for gold?"]
@@ -153,7 +156,9 @@ MAX_NEW = 40
 
 @pytest.fixture(scope="module")
 def target():
-    return load_target(cache_dir=TARGET_CACHE)
+    # float32, never the default bf16: a bf16 greedy path (and its top-two margins) depends on the
+    # CPU's bf16 rounding (AMX/AVX-512-BF16 or not), so the prefix that must agree would too.
+    return load_target(cache_dir=TARGET_CACHE, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")

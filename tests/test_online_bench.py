@@ -15,7 +15,7 @@ import subprocess
 import httpx
 import pytest
 
-from serving.launch import LlamaCppServer
+from serving.embedded import LlamaCppServer
 from serving.online_bench import (AcceptanceTooLow, BaselineSpeculates, OnlineBenchResult, ServerConfig,
                                   SpecMetricsMissing, break_even, plot_throughput, probe_acceptance,
                                   run_online_benchmark)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serving.launch import free_port, port_free
+from serving.embedded import free_port, port_free
 from storage.lineage import LineageStore
 
 ROOT = Path(__file__).resolve().parent.parent

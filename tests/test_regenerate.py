@@ -18,7 +18,7 @@ import yaml
 
 from flows.discover import discover
 from flows.regenerate import regenerate
-from serving.launch import free_port
+from serving.embedded import free_port
 from serving.scripted_server import answer_for, spawn
 from storage.lineage import LineageStore
 from tasks.config import DiscoverConfig, RegenerateConfig

@@ -163,7 +163,7 @@ def test_two_gloo_processes_match_one_process_accumulating(extracted, tmp_path, 
 
 
 def _free_port() -> int:
-    from serving.launch import free_port
+    from serving.embedded import free_port
 
     return free_port()
 
