@@ -218,7 +218,13 @@ def test_smollm2_aux_final_topk_and_batching(smol):
         assert (fp8 - want).norm(dim=-1).div(want.norm(dim=-1)).max() < 0.05
         with torch.no_grad():
             logits = smol.lm_head(a.final_hidden)
-        assert (logits.argmax(-1) == out.logits[0].argmax(-1)).float().mean() > 0.95
+        # The choice from the batched state is the direct forward's best up to bf16 rounding. Not an
+        # agreement rate: bf16 logits on these random inputs tie exactly at ~5-10% of positions, and
+        # which of a tie wins depends on the CPU's bf16 rounding per shape. A shifted or mixed-up
+        # position misses the best by several nats.
+        direct = torch.log_softmax(out.logits[0].float(), -1)
+        gaps = direct.max(-1).values - direct.gather(1, logits.argmax(-1, keepdim=True)).squeeze(1)
+        assert float(gaps.max()) < 1.0, gaps
         assert bool(t2d[b.topk_ids.long()].all())
         draft = torch.log_softmax(out.logits[0].float()[:, t2d], dim=-1)
         got = draft.gather(1, torch.searchsorted(torch.nonzero(t2d).squeeze(1), b.topk_ids.long()))

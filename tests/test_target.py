@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,11 @@ from tasks import target as T
 
 GGUF = T.smollm2_gguf_path()
 CHAT = [{"role": "user", "content": "Name the largest ocean on Earth."}]
+# Shared with the other target tests: one float32 conversion per machine.
+SHARED_CACHE = Path(tempfile.gettempdir()) / "eagle3-test-targets"
+# How far (nats) a choice may sit below the best one under a recomputation in bf16: a full forward
+# and the cached one-token decode round differently, and per CPU (AMX/AVX-512-BF16 or not).
+BF16_MARGIN_NATS = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -143,13 +150,45 @@ def test_missing_package_error_names_it(monkeypatch):
         T.smollm2_gguf_path()
 
 
-def test_greedy_generate_stops_at_eos_and_respects_the_budget(converted):
-    _, _, (model, tokenizer) = converted
+@pytest.fixture(scope="module")
+def float32_target():
+    """Greedy paths are asserted in float32 only: a bf16 one depends on the CPU's bf16 rounding."""
+    return T.load_target(cache_dir=SHARED_CACHE, dtype=torch.float32)
+
+
+def _prompt_ids(tokenizer, messages) -> list[int]:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+
+
+def test_greedy_generate_stops_at_eos_and_respects_the_budget(float32_target):
+    model, tokenizer = float32_target
+    assert model.dtype == torch.float32
     out = T.greedy_generate(model, tokenizer, CHAT, max_new_tokens=32)
-    assert 0 < len(out) < 32 and tokenizer.eos_token_id not in out
+    assert 0 < len(out) < 32 and tokenizer.eos_token_id not in out  # float32: ~10 tokens, far from the budget
     assert "Pacific" in tokenizer.decode(out)
     # it stopped because the model's next choice is <|im_end|>
-    ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    ids = _prompt_ids(tokenizer, CHAT)
     with torch.inference_mode():
         assert int(model(torch.tensor([ids + out])).logits[0, -1].argmax()) == tokenizer.eos_token_id
     assert T.greedy_generate(model, tokenizer, CHAT, max_new_tokens=5) == out[:5]
+
+
+def test_greedy_generate_in_bf16_keeps_what_holds_for_any_greedy_path(converted):
+    """The default (bf16) target: its greedy path is a property of the CPU, so no length or text is
+    asserted; only what every path satisfies: it ends at a stop token or at the budget, whichever
+    comes first, never emits a stop token, and a smaller budget gives a prefix of the same path."""
+    _, _, (model, tokenizer) = converted
+    assert model.dtype == torch.bfloat16
+    budget = 64
+    out = T.greedy_generate(model, tokenizer, CHAT, max_new_tokens=budget)
+    stops = T.stop_token_ids(model, tokenizer)
+    assert 0 < len(out) <= budget and not stops & set(out)
+    assert T.greedy_generate(model, tokenizer, CHAT, max_new_tokens=5) == out[:5]
+    ids = _prompt_ids(tokenizer, CHAT)
+    with torch.inference_mode():
+        lp = torch.log_softmax(model(torch.tensor([ids + out])).logits[0, len(ids) - 1:].float(), -1)
+    # every choice, and the stop (when it stopped before the budget), is the best one up to bf16 rounding
+    gaps = lp.max(-1).values[:-1] - lp[torch.arange(len(out)), torch.tensor(out)]
+    assert float(gaps.max()) < BF16_MARGIN_NATS, gaps
+    if len(out) < budget:
+        assert min(float(lp[-1].max() - lp[-1, s]) for s in stops) < BF16_MARGIN_NATS
