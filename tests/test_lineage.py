@@ -130,3 +130,24 @@ def test_kill_9_inside_a_transaction_leaves_no_trace_and_no_stuck_lock(tmp_path:
     again = store.begin_run("discover", {}, "h", None, None)  # the writer lock was released by the kernel
     cols, rows = store.query_readonly("SELECT run_id FROM runs ORDER BY started_at")
     assert [r[0] for r in rows] == [kept, again]
+
+
+def test_checkpoint_paths_are_absolute_and_found_from_another_directory(tmp_path: Path, monkeypatch):
+    """A run started in one directory registers `runs/x/checkpoints/...` relative to it; readers work elsewhere."""
+    run_dir, other = tmp_path / "started-here", tmp_path / "elsewhere"
+    (run_dir / "runs" / "x" / "export").mkdir(parents=True)
+    other.mkdir()
+    monkeypatch.chdir(run_dir)
+    store = LineageStore(Path("runs/x/lineage.duckdb"))
+    store.register_checkpoint("run-id", {
+        "checkpoint": "x/sglang-step-1", "run_name": "x", "step": 1, "format": "sglang", "path": "runs/x/export",
+        "sha256": "s", "rounds": 1, "target": "t", "target_revision": "r", "aux_layer_ids": [1, 2, 3],
+        "vocab_id": "v", "extract_key": "e"})
+    assert store.checkpoint_row("runs/x/export")["checkpoint"] == "x/sglang-step-1"  # as given, from where it ran
+    monkeypatch.chdir(other)
+    store = LineageStore(run_dir / "runs" / "x" / "lineage.duckdb")
+    row = store.checkpoint_row(fmt="sglang")
+    assert Path(row["path"]).is_absolute() and Path(row["path"]) == run_dir / "runs" / "x" / "export"
+    assert Path(row["path"]).is_dir()
+    assert store.checkpoint_row(str(run_dir / "runs" / "x" / "export"))["checkpoint"] == "x/sglang-step-1"
+    assert store.checkpoint_lineage(str(run_dir / "runs" / "x" / "export"))[0]["checkpoint"] == "x/sglang-step-1"
