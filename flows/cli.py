@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -59,7 +60,8 @@ def _read(fn, *args):
         raise typer.Exit(2) from None
 
 
-def _print_rows(cols: list[str], rows: list[tuple], fmt: OutputFormat, title: str | None = None) -> None:
+def _print_rows(cols: list[str], rows: list[tuple], fmt: OutputFormat, title: str | None = None,
+                wrap: int | None = None) -> None:
     if fmt is OutputFormat.csv:
         w = csv.writer(sys.stdout)
         w.writerow(cols)
@@ -67,12 +69,37 @@ def _print_rows(cols: list[str], rows: list[tuple], fmt: OutputFormat, title: st
     elif fmt is OutputFormat.json:
         print(json.dumps([dict(zip(cols, r)) for r in rows], default=str, ensure_ascii=False, indent=1))
     else:
-        t = Table(title=title)
-        for c in cols:
-            t.add_column(c)
-        for r in rows:
-            t.add_row(*["" if v is None else str(v) for v in r])
+        # Readable in an 80-column terminal and when piped: light borders, and a cell too wide for its
+        # column wraps onto the next line instead of being cut to `dra…`.
+        # One column (`wrap`, else the widest) takes what is left and wraps; the others keep their
+        # width (up to 40).
+        cells = [["" if v is None else str(v) for v in r] for r in rows]
+        widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(cols)]
+        wide = (wrap % len(cols) if wrap is not None else widths.index(max(widths))) if widths else 0
+        t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
+        for i, c in enumerate(cols):
+            if i == wide:
+                t.add_column(c, overflow="fold", ratio=1)
+            else:
+                t.add_column(c, overflow="fold", no_wrap=widths[i] <= 40, min_width=min(widths[i], 40))
+        for r in cells:
+            t.add_row(*r)
         console.print(t)
+
+
+def acceptance_view(rows: list[dict]) -> tuple[list[str], list[tuple]]:
+    """The offline acceptance rows as a person reads them first: who, where, the acceptance length
+    (token-weighted), how much was measured, and in one cell the share of verify rounds that
+    accepted draft position j, in percent. The full rows (per-request mean, tokens per round,
+    rounds) stay in --format csv|json and the Prefect artifact."""
+    cols = ["drafter", "domain", "accept", "req", "tokens", "% at pos 1..k"]
+    out = []
+    for r in rows:
+        al = r.get("acceptance_length_token_weighted")
+        rates = [r[key] for key in sorted((k for k in r if k.startswith("accept_rate_pos")), key=lambda k: int(k[15:]))]
+        out.append((r["drafter"], r["domain"], "-" if al is None else f"{al:.2f}", r["requests"],
+                    r["completion_tokens"], " ".join("-" if x is None else f"{100 * x:.0f}" for x in rates)))
+    return cols, out
 
 
 def _print_dicts(rows: list[dict], title: str) -> None:
@@ -95,7 +122,7 @@ def _run_flow(fn, *args, **kwargs):
     from tasks.sources import SourceError
 
     url = resolve_api_url()
-    console.print(f"Prefect API: {url} (UI: {url.removesuffix('/api')})", highlight=False)
+    err.print(f"Prefect API: {url} (UI: {url.removesuffix('/api')})", highlight=False)  # stdout stays the result
     os.environ["PREFECT_API_URL"] = url  # worker processes (extract.workers > 1) report to the same API
     try:
         with temporary_settings({PREFECT_API_URL: url}):
@@ -306,6 +333,8 @@ def bench(
     workspace: Optional[str] = WorkspaceOpt,
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="Exported SGLang draft folder "
                                              "(default: the latest export in lineage)."),
+    format: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f",
+                                        help="table: the columns a reader needs first; csv|json: every column."),
 ) -> None:
     """Check the draft's serving contract, then measure acceptance against the baselines (and servers, if configured)."""
     from flows.benchmark import benchmark as benchmark_flow
@@ -314,9 +343,14 @@ def bench(
     if checkpoint is not None:
         section = section.model_copy(update={"checkpoint": checkpoint})
     summary = _run_flow(benchmark_flow, section)
+    if format is not OutputFormat.table:
+        _print_rows(list(summary.rows[0]), [tuple(r.values()) for r in summary.rows], format)
+        return
     console.print(summary.doctor, highlight=False, soft_wrap=True)
-    _print_rows(list(summary.rows[0]), [tuple(r.values()) for r in summary.rows], OutputFormat.table,
-                f"offline acceptance, chain k={summary.k} (acceptance length = completion tokens / verify rounds)")
+    _print_rows(*acceptance_view(summary.rows), OutputFormat.table,
+                f"offline acceptance, chain k={summary.k}: accept = completion tokens / verify rounds "
+                f"(token-weighted); lossless: {summary.lossless_checked} outputs equal the target's greedy output",
+                wrap=-1)
     if summary.online_rows:
         _print_rows(list(summary.online_rows[0]), [tuple(r.values()) for r in summary.online_rows], OutputFormat.table,
                     "online")

@@ -44,7 +44,8 @@ def slice_config(ws: Path, path: Path, port: int) -> Path:
 
 
 def _env() -> dict:
-    return dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="2")
+    # COLUMNS=80: what a piped or 80-column terminal gives; the tables must stay readable there.
+    return dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="2", COLUMNS="80")
 
 
 def _run(config: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -108,6 +109,7 @@ def test_the_whole_pipeline_runs_end_to_end_on_the_embedded_default(finished):
                  "acceptance length: EAGLE-3 draft", "prompt lookup", f"lineage: {ws / 'lineage.duckdb'}"):
         assert line in out, line
     assert out.count("eagle3 sql -w") == 3
+    assert "…" not in out, "a table column was cut"
     # the pipeline's own lineage row records each stage, every round included
     stages = json.loads(store.query_readonly(
         "SELECT summary FROM runs WHERE flow = 'pipeline' AND state = 'COMPLETED'")[1][0][0])["stages"]
@@ -119,6 +121,10 @@ def test_the_whole_pipeline_runs_end_to_end_on_the_embedded_default(finished):
     assert list(rows) == list(STAGES)
     assert rows["train"]["done"] == report["samples"]["extracted"] and rows["train"]["pending"] == 0
     assert rows["train"]["rate_per_s"] > 0 and rows["benchmark"]["done"] == 1 and rows["benchmark"]["pending"] == 0
+
+    table = _run(config, "status")
+    assert table.returncode == 0 and "…" not in table.stdout
+    assert all(stage in table.stdout for stage in STAGES) and "rate_per_s" in table.stdout
 
     traced = _run(config, "lineage", "slice", "--format", "json")
     assert traced.returncode == 0, traced.stderr
@@ -232,3 +238,18 @@ def test_rounds_stop_when_done_and_refuse_to_spin_on_a_full_budget(prefect_api, 
     summary = PipelineSummary("z", str(tmp_path), "")
     _rounds(capped, sizes, summary, stage, log)
     assert summary.rounds == 2
+
+
+def test_bench_prints_a_readable_table_and_every_column_on_request(finished):
+    ws, config, _ = finished
+    out = _run(config, "bench")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "…" not in out.stdout, out.stdout
+    table = [line for line in out.stdout.splitlines() if line.startswith(" eagle3") or line.startswith(" prompt")]
+    assert {line.split()[0] for line in table} == {"eagle3", "eagle3-final-state-only", "prompt-lookup"}
+    assert all(len(line) <= 80 for line in table), table
+    assert "lossless: 3 outputs equal the target's greedy output" in " ".join(out.stdout.split())
+    full = _run(config, "bench", "--format", "json")
+    rows = json.loads(full.stdout)
+    assert {r["drafter"] for r in rows} == {"eagle3", "eagle3-final-state-only", "prompt-lookup"}
+    assert {"acceptance_length_request_mean", "tokens_per_verify_round", "accept_rate_pos1"} <= set(rows[0])
