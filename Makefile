@@ -24,7 +24,8 @@ browser:
 # cache is bypassed for it (a wheel cached from a native build elsewhere would be reused
 # silently); the flags it was built with are recorded in .venv/.llama-cpp-build, and a venv
 # holding another build is rebuilt. `eagle3 check-install` then proves the server runs here.
-LLAMA_CPP_VERSION  := 0.3.36
+# The version is serving/llama_build.py's (pyproject.toml pins the same one).
+LLAMA_CPP_VERSION  := $(shell $(PYTHON) serving/llama_build.py version)
 LLAMA_CMAKE_ARGS   := $(shell $(PYTHON) serving/llama_build.py cmake-args)
 LLAMA_BUILD_STAMP  := $(VENV)/.llama-cpp-build
 LLAMA_BUILD_ID     := llama-cpp-python==$(LLAMA_CPP_VERSION) $(LLAMA_CMAKE_ARGS)

@@ -56,22 +56,11 @@ def before_module():
     return module
 
 
-def random_draft(model):
-    from tasks.draft_model import DraftConfig, Eagle3Draft, load_target_embeddings
-
-    torch.manual_seed(1)
-    cfg = model.config
-    draft = Eagle3Draft(DraftConfig.from_target_config(cfg, 4096, (1, 14, 26)))
-    ids = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(1))[:4096].sort().values
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    draft.set_vocab(ids - torch.arange(4096), t2d)
-    load_target_embeddings(draft, model)
-    return draft.eval()
-
-
 def run(module, draft_dtype: torch.dtype, model, tok, prompts, args) -> tuple[float, int, int, dict]:
-    draft = (module.load_draft_for_target(args.draft, model) if args.draft else random_draft(model)).to(draft_dtype)
+    from test_evaluate import _draft  # the tests' random draft: seeded vocabulary, the target's embeddings
+
+    draft = (module.load_draft_for_target(args.draft, model) if args.draft
+             else _draft(model, n_draft=4096, aux=(1, 14, 26))).to(draft_dtype)
     drafters = [module.Eagle3Drafter(draft, "aux"), module.Eagle3Drafter(draft, "final"), module.PromptLookupDrafter()]
     stops = stop_token_ids(model, tok)
     started = time.perf_counter()

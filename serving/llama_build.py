@@ -111,10 +111,12 @@ def build_tool(target: str, cmake_args: tuple[str, ...] = PORTABLE_CMAKE_ARGS, c
 
 
 if __name__ == "__main__":
-    # `python3 serving/llama_build.py cmake-args`: the flags, for the Makefile's pip install.
+    # `python3 serving/llama_build.py cmake-args | version`: the flags and version, for the Makefile's pip install.
     if sys.argv[1:] == ["cmake-args"]:
         print(" ".join(PORTABLE_CMAKE_ARGS))
+    elif sys.argv[1:] == ["version"]:
+        print(LLAMA_CPP_PYTHON_VERSION)
     elif sys.argv[1:2] == ["build"] and len(sys.argv) == 3:
         print(build_tool(sys.argv[2]))
     else:
-        sys.exit("usage: python3 serving/llama_build.py cmake-args | build TARGET")
+        sys.exit("usage: python3 serving/llama_build.py cmake-args | version | build TARGET")

@@ -11,9 +11,9 @@ Promises:
   token, in any precision, on any CPU. Verifying k+1 proposals in one forward (as servers do, for
   speed) computes the same argmaxes only up to rounding, and in bf16 near-ties flip, so drafters
   were measured on different texts (benchmarks/offline_eval.py counts them). Every output is still
-  compared with the
-  plain decoding (and with `reference`, when given): a difference is a `LossyDecoding` error naming
-  the drafter, the prompt and the first differing position, never a number.
+  compared with the plain decoding (and with `reference`, when given): a difference is a
+  `LossyDecoding` error naming the drafter, the prompt and the first differing position, never a
+  number.
 - Counting is SGLang's: the prefill gives the first token and is no verify round; a verify round
   checks the k proposals after the newest token, commits the longest prefix that matches the
   target's greedy tokens plus the bonus token (the target's next one), and stops at
