@@ -23,7 +23,9 @@ browser:
 # serving/llama_build.py (the benchmarks build llama.cpp's own tools with the same ones). pip's
 # cache is bypassed for it (a wheel cached from a native build elsewhere would be reused
 # silently); the flags it was built with are recorded in .venv/.llama-cpp-build, and a venv
-# holding another build is rebuilt. `eagle3 check-install` then proves the server runs here.
+# holding another build is rebuilt. The embedded server is llama.cpp's own `llama-server`, built from
+# the very source tree the binding vendors (same flags) into .venv/bin; `eagle3 check-install` then
+# proves the server runs here.
 # The version is serving/llama_build.py's (pyproject.toml pins the same one).
 LLAMA_CPP_VERSION  := $(shell $(PYTHON) serving/llama_build.py version)
 LLAMA_CMAKE_ARGS   := $(shell $(PYTHON) serving/llama_build.py cmake-args)
@@ -38,6 +40,9 @@ $(STAMP): pyproject.toml serving/llama_build.py
 	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install -q --no-cache-dir --force-reinstall --no-deps \
 	    --no-binary llama-cpp-python 'llama-cpp-python==$(LLAMA_CPP_VERSION)' && \
 	  echo "$(LLAMA_BUILD_ID)" > $(LLAMA_BUILD_STAMP); fi
+	@command -v cmake >/dev/null 2>&1 || $(PY) -m pip install -q 'cmake>=3.24'
+	@echo "llama-server from the same llama.cpp source, portable; built once per source hash and flags (~$(HOME)/.cache/eagle3)"
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) serving/llama_build.py install llama-server $(VENV)/bin
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(VENV)/bin/eagle3 check-install
 	touch $@

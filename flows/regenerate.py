@@ -1,7 +1,7 @@
 """The `regenerate` flow: every kept prompt answered by the target, exactly once, resumable.
 
 Orchestration only: one regenerate per workspace at a time, cleanup of what a crash left,
-imports, the server (embedded llama.cpp or configured endpoints), batching of durable writes,
+imports, the server (embedded llama-server with parallel slots, or configured endpoints), batching of durable writes,
 progress (console bar with tokens/s and ETA, Prefect progress and table artifacts). It stops at
 once, FAILED with the cause, when the embedded server dies (`ServerDied`) or every endpoint stays
 down past the outage window (`EndpointsDown`): prompts are then left pending, never recorded as
@@ -132,11 +132,14 @@ def _regenerate(config: RegenerateConfig, store: LineageStore, spec: GenerationS
 
         es = config.embedded_server
         server = stack.enter_context(LlamaCppServer(gguf=gguf, port=es.port, n_ctx=es.n_ctx, n_threads=es.n_threads,
+                                                    parallel=es.parallel,
                                                     log_path=Path(config.workspace) / "logs" / "llama-server.log"))
-        endpoints = [Endpoint(server.base_url, max_concurrency=1)]  # llama.cpp serves one at a time
+        logger.info("embedded llama-server %s on %s: %d slot(s)", server.build_info, server.base_url, es.parallel)
+        endpoints = [Endpoint(server.base_url, max_concurrency=es.parallel, kind="llamacpp")]
     else:
         server = None
-        endpoints = [Endpoint(e.url, e.max_concurrency, e.api_key_env, e.api_key_secret_block) for e in config.endpoints]
+        endpoints = [Endpoint(e.url, e.max_concurrency, e.api_key_env, e.api_key_secret_block, kind=e.kind)
+                     for e in config.endpoints]
     summary.endpoints = [e.url for e in endpoints]
     policy = RetryPolicy(**config.retry.model_dump())
 

@@ -1,4 +1,4 @@
-"""An async client for a pool of inference servers (OpenAI-compatible chat, SGLang /generate).
+"""An async client for a pool of inference servers (OpenAI-compatible chat, SGLang /generate, llama.cpp).
 
 Owns HTTP: balancing by outstanding requests, a concurrency limit per endpoint, timeouts,
 retries with exponential backoff and full jitter (429 honouring Retry-After, 5xx, connection
@@ -9,7 +9,9 @@ its last attempt); while every endpoint is out, requests wait for a probe to bri
 once that has lasted `outage_window_s` each of them raises one `EndpointsDown` that names the
 endpoints and their last errors (an outage, never a per-request failure); API keys are read from the
 environment (or a Prefect Secret block) at call time and never appear in a message, a log line,
-`repr` or a result.
+`repr` or a result. On llama.cpp endpoints (`kind="llamacpp"`) `chat` is token-exact: the server
+renders the messages with its own template, the prompt is sent as token ids, and the result carries
+the prompt ids sent and the ids the server sampled, so training sees exactly what the target did.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ class Endpoint:
     max_concurrency: int = 8
     api_key_env: str | None = None  # name of the environment variable holding the key
     api_key_secret_block: str | None = None  # or the name of a Prefect Secret block
-    kind: Literal["openai", "sglang"] = "openai"
+    # "llamacpp": llama-server, asked token-exact (/apply-template, /tokenize, /completion with ids)
+    kind: Literal["openai", "sglang", "llamacpp"] = "openai"
 
     def __repr__(self) -> str:  # no key material, ever
         return f"Endpoint({self.url}, max_concurrency={self.max_concurrency}, kind={self.kind})"
@@ -66,6 +69,7 @@ class ChatResult:
     endpoint: str
     latency_s: float
     attempts: int
+    server_build: str | None = None  # the engine's build as it reports it (llama.cpp: "b1-0c1e570")
 
 
 class RequestFailed(RuntimeError):
@@ -134,6 +138,7 @@ class _EndpointState:
         self.probe_task: asyncio.Task | None = None
         self.requests = 0
         self.failures = 0
+        self.build: str | None = None  # what the server says it is, recorded with every result
 
 
 @dataclass
@@ -189,10 +194,70 @@ def parse_sglang_generate(body: bytes, endpoint: str) -> dict:
     }
 
 
+# llama.cpp's reasons for stopping, in OpenAI's words.
+_LLAMACPP_FINISH = {"eos": "stop", "word": "stop", "limit": "length"}
+# The OpenAI sampling fields a chat request carries, as llama.cpp's /completion names them.
+_LLAMACPP_PARAMS = {"max_tokens": "n_predict", "temperature": "temperature", "top_p": "top_p", "seed": "seed",
+                    "stop": "stop", "repeat_penalty": "repeat_penalty"}
+
+
+def _json_body(body: bytes, endpoint: str) -> dict:
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise _Retryable(f"malformed JSON from {endpoint}") from None
+    if not isinstance(data, dict):
+        raise _Retryable(f"unexpected response shape from {endpoint}: {str(data)[:200]}")
+    return data
+
+
+def parse_llamacpp_completion(body: bytes, endpoint: str) -> dict:
+    """llama.cpp's /completion with `return_tokens`: text, the sampled ids, why it stopped, its timings."""
+    data = _json_body(body, endpoint)
+    tokens = data.get("tokens")
+    if not isinstance(tokens, list) or "content" not in data:
+        raise _Retryable(f"unexpected response shape from {endpoint} (no `tokens`/`content`): {str(data)[:200]}")
+    timings = data.get("timings") or {}
+    return {
+        "content": data["content"],
+        "reasoning_content": None,
+        "finish_reason": _LLAMACPP_FINISH.get(data.get("stop_type"), data.get("stop_type")),
+        "prompt_tokens": timings.get("prompt_n", 0) + timings.get("cache_n", 0) if timings else None,
+        "completion_tokens": data.get("tokens_predicted", len(tokens)),
+        "prompt_token_ids": None,  # the caller knows what it sent
+        "completion_token_ids": [int(t) for t in tokens],
+        "served_model": data.get("model"),
+    }
+
+
 # httpx's pool scans its open connections on every request, so one client with hundreds of
 # connections costs milliseconds of CPU per request; shards of a few connections each do not
 # (benchmarks/regenerate_client.py measured 4.6 -> 1.2 ms at 64 in flight).
 _CONNECTIONS_PER_CLIENT = 8
+
+
+def _parse_template(body: bytes, endpoint: str) -> dict:
+    prompt = _json_body(body, endpoint).get("prompt")
+    if not isinstance(prompt, str):
+        raise _Retryable(f"no rendered `prompt` from {endpoint}/apply-template")
+    return _fields(content=prompt)
+
+
+def _parse_tokenize(body: bytes, endpoint: str) -> dict:
+    tokens = _json_body(body, endpoint).get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        raise _Retryable(f"no `tokens` list from {endpoint}/tokenize")
+    return _fields(completion_token_ids=tokens)
+
+
+def _fields(**values) -> dict:
+    blank = {"content": "", "reasoning_content": None, "finish_reason": None, "prompt_tokens": None,
+             "completion_tokens": None, "prompt_token_ids": None, "completion_token_ids": None, "served_model": None}
+    return {**blank, **values}
+
+
+_PARSERS = {"/generate": parse_sglang_generate, "/completion": parse_llamacpp_completion,
+            "/apply-template": _parse_template, "/tokenize": _parse_tokenize}
 
 
 class ServerPool:
@@ -222,7 +287,26 @@ class ServerPool:
         for s in self._states:
             shards = -(-s.ep.max_concurrency // _CONNECTIONS_PER_CLIENT)
             s.clients = [httpx.AsyncClient(limits=limits, timeout=timeout) for _ in range(shards)]
+        await asyncio.gather(*(self._read_build(s) for s in self._states))
         return self
+
+    async def _read_build(self, state: _EndpointState) -> None:
+        """The engine's version, if it says (llama.cpp /props, vLLM /version, SGLang /get_server_info).
+
+        Best effort and brief: an endpoint that is down now is the retry logic's business."""
+        for path, key in (("/props", "build_info"), ("/version", "version"), ("/get_server_info", "version")):
+            try:
+                r = await state.clients[0].get(state.ep.url.rstrip("/") + path, headers=self._headers(state), timeout=2.0)
+            except httpx.HTTPError:
+                return
+            if r.status_code == 200:
+                try:
+                    value = r.json().get(key)
+                except (ValueError, AttributeError):
+                    continue
+                if isinstance(value, str) and value:
+                    state.build = f"llama.cpp {value}" if key == "build_info" else value
+                    return
 
     async def __aexit__(self, *exc) -> None:
         for s in self._states:
@@ -342,7 +426,7 @@ class ServerPool:
         if r.status_code >= 400:
             detail = self._redact(body[:300].decode(errors="replace"))  # servers may echo headers
             raise _Fatal(f"HTTP {r.status_code} from {state.ep.url}: {detail}")
-        parse = parse_sglang_generate if path == "/generate" else parse_chat_response
+        parse = _PARSERS.get(path, parse_chat_response)
         return parse(body, state.ep.url)
 
     async def request(self, payload: dict, path: str = "/v1/chat/completions") -> ChatResult:
@@ -371,7 +455,8 @@ class ServerPool:
                 raise
             else:
                 await self._release(state, slot, None)
-                return ChatResult(**fields, endpoint=state.ep.url, latency_s=time.perf_counter() - start, attempts=attempt)
+                return ChatResult(**fields, endpoint=state.ep.url, latency_s=time.perf_counter() - start, attempts=attempt,
+                                  server_build=state.build)
             if attempt == self.policy.max_attempts:
                 break
             backoff = min(self.policy.backoff_max_s, self.policy.backoff_base_s * 2 ** (attempt - 1))
@@ -382,7 +467,27 @@ class ServerPool:
         raise RequestFailed(reason, self.policy.max_attempts, unreachable)
 
     async def chat(self, messages: list[dict], model: str | None = None, **params) -> ChatResult:
+        if all(s.ep.kind == "llamacpp" for s in self._states):
+            return await self._chat_token_exact(messages, params)
         payload = {"messages": messages, **params}
         if model:
             payload["model"] = model
         return await self.request(payload)
+
+    async def _chat_token_exact(self, messages: list[dict], params: dict) -> ChatResult:
+        """A chat turn on llama.cpp with exact ids: its template renders, its tokenizer tokenises, the ids go in.
+
+        The rendered text is tokenised without added specials (the template writes its own), as the
+        training side renders it; the result carries the ids sent and the ids sampled.
+        """
+        template_args = {k: params[k] for k in ("chat_template_kwargs",) if k in params}
+        rendered = await self.request({"messages": messages, **template_args}, "/apply-template")
+        ids = await self.request({"content": rendered.content, "add_special": False, "parse_special": True},
+                                 "/tokenize")
+        body = {_LLAMACPP_PARAMS[k]: v for k, v in params.items() if k in _LLAMACPP_PARAMS}
+        result = await self.request({"prompt": ids.completion_token_ids, "return_tokens": True, "cache_prompt": True,
+                                     **body}, "/completion")
+        result.prompt_token_ids = list(ids.completion_token_ids)
+        result.prompt_tokens = len(result.prompt_token_ids)
+        result.attempts += rendered.attempts + ids.attempts - 2
+        return result

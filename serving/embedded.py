@@ -1,11 +1,15 @@
 """The embedded llama.cpp server's life: start, health wait, watch, stop.
 
-Promises: a started server is healthy (`/v1/models` answers 200) or the start raises
-`ServerStartError` with how it exited (a signal by name: SIGILL means a build for another CPU)
-and the tail of its log; while code uses it, `guard` stops that code within a poll interval
-of the server's death with `ServerDied` (same details), so no request is sent to a dead server;
-it is stopped (its whole process group, SIGTERM then SIGKILL) on exit, on error and on Ctrl-C,
-so no server outlives the code that started it.
+Owns the `llama-server` command line (built from the pinned llama.cpp source by `make install`):
+parallel slots, threads, context, and speculative decoding (an EAGLE-3 draft GGUF or llama.cpp's
+n-gram drafting). llama-cpp-python's older Python server stays selectable (`engine=`) only so
+benchmarks can compare the two. Promises: a started server is healthy (`/health` answers 200) or
+the start raises `ServerStartError` with how it exited (a signal by name: SIGILL means a build for
+another CPU) and the tail of its log; a server asked to speculate really does (llama.cpp otherwise
+logs an error and serves without it), or the start fails saying so; while code uses it, `guard`
+stops that code within a poll interval of the server's death with `ServerDied` (same details), so
+no request is sent to a dead server; it is stopped (its whole process group, SIGTERM then SIGKILL)
+on exit, on error and on Ctrl-C, so no server outlives the code that started it.
 """
 
 from __future__ import annotations
@@ -20,27 +24,67 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import httpx
 
 LOG_TAIL_LINES = 40
 T = TypeVar("T")
 
-# Runs the server module in a child that exits when its parent dies: a parent killed with
-# SIGKILL runs no cleanup, and a server left behind in its own session would hold the port.
-# (PR_SET_PDEATHSIG would fire when the starting *thread* ends, e.g. a worker thread of a pool.)
+# Runs the server under a small watcher that takes its process group down when our process dies:
+# a parent killed with SIGKILL runs no cleanup, and a server left behind in its own session would
+# hold the port. (PR_SET_PDEATHSIG would fire when the starting *thread* ends, e.g. a worker
+# thread of a pool.) The watcher ends the way the server ended, signal included, so a SIGILL
+# still reads as SIGILL to `describe_exit`.
 _WATCH_PARENT = (
-    "import os, runpy, sys, threading, time\n"
-    "parent = int(sys.argv.pop(1))\n"
+    "import os, signal, subprocess, sys, threading, time\n"
+    "parent = int(sys.argv[1])\n"
+    "child = subprocess.Popen(sys.argv[2:])\n"
     "def watch():\n"
     "    while os.getppid() == parent:\n"
     "        time.sleep(0.5)\n"
-    "    os._exit(0)\n"
+    "    os.killpg(0, signal.SIGKILL)\n"
     "threading.Thread(target=watch, daemon=True).start()\n"
-    "runpy.run_module('llama_cpp.server', run_name='__main__', alter_sys=True)\n"
+    "code = child.wait()\n"
+    "if code < 0:\n"
+    "    if -code not in (signal.SIGKILL, signal.SIGSTOP):\n"
+    "        signal.signal(-code, signal.SIG_DFL)\n"
+    "    os.kill(os.getpid(), -code)\n"
+    "sys.exit(code)\n"
 )
+
+ServerEngine = Literal["llama-server", "llama-cpp-python"]
+SpecType = Literal["draft-eagle3", "ngram-simple", "ngram-mod"]
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """llama-server's speculative decoding: an EAGLE-3 draft GGUF, or n-gram drafting from the context."""
+
+    spec_type: SpecType
+    draft_gguf: Path | None = None  # required for draft-eagle3
+    n_max: int = 3  # draft tokens per verification step (chain depth k)
+    p_min: float = 0.0  # 0: never cut a chain short on the draft's confidence, as our offline evaluator
+
+    def __post_init__(self) -> None:
+        if (self.spec_type == "draft-eagle3") != (self.draft_gguf is not None):
+            raise ValueError(f"spec type {self.spec_type} {'needs' if self.draft_gguf is None else 'takes no'} "
+                             "draft GGUF")
+        if self.n_max < 1:
+            raise ValueError(f"n_max must be >= 1, got {self.n_max}")
+
+    def args(self) -> list[str]:
+        args = ["--spec-type", self.spec_type, "--spec-draft-n-max", str(self.n_max),
+                "--spec-draft-p-min", str(self.p_min)]
+        if self.draft_gguf is not None:
+            args = ["-md", str(self.draft_gguf)] + args
+        return args
+
+    @property
+    def label(self) -> str:
+        return f"eagle3-k{self.n_max}" if self.spec_type == "draft-eagle3" else f"{self.spec_type}-k{self.n_max}"
 
 
 class ServerStartError(RuntimeError):
@@ -104,28 +148,38 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES, offset: int = 0) -> str:
 
 
 class LlamaCppServer:
-    """llama-cpp-python's OpenAI-compatible server on one GGUF, as a context manager.
+    """llama.cpp's `llama-server` on one GGUF (optionally speculating), as a context manager.
 
-    `with LlamaCppServer(gguf) as server: ... server.base_url ...`. Started in its own session
-    (process group): Ctrl-C in a terminal reaches only this process, which stops the server and
-    then lets KeyboardInterrupt propagate; and a stop kills everything the server started.
+    `with LlamaCppServer(gguf, parallel=2) as server: ... server.base_url ...`. `parallel` slots
+    decode together (continuous batching); each gets `n_ctx` tokens of context. Started in its
+    own session (process group): Ctrl-C in a terminal reaches only this process, which stops the
+    server and then lets KeyboardInterrupt propagate; and a stop kills everything it started.
     """
 
     def __init__(self, gguf: Path, *, host: str = "127.0.0.1", port: int = 0, n_ctx: int = 2048,
-                 n_threads: int | None = None, log_path: Path | None = None, startup_timeout_s: float = 120.0,
+                 n_threads: int | None = None, parallel: int = 1, speculation: Speculation | None = None,
+                 engine: ServerEngine = "llama-server", log_path: Path | None = None, startup_timeout_s: float = 120.0,
                  stop_grace_s: float = 10.0, extra_args: Sequence[str] = ()):
+        if parallel < 1:
+            raise ValueError(f"parallel must be >= 1, got {parallel}")
+        if engine == "llama-cpp-python" and (parallel != 1 or speculation is not None):
+            raise ValueError("llama-cpp-python's server has one slot and no speculation here; use engine='llama-server'")
         self.gguf = Path(gguf)
         self.host = host
         self.requested_port = port
         self.port = port
         self.n_ctx = n_ctx
         self.n_threads = n_threads
+        self.parallel = parallel
+        self.speculation = speculation
+        self.engine = engine
         self.log_path = Path(log_path) if log_path is not None else None
         self.startup_timeout_s = startup_timeout_s
         self.stop_grace_s = stop_grace_s
         self.extra_args = list(extra_args)
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None
+        self.build_info: str | None = None  # llama.cpp's build, e.g. "b1-0c1e570" (from /props)
         self._log_offset = 0  # where this start's output begins in the log
 
     @property
@@ -138,9 +192,23 @@ class LlamaCppServer:
 
     def command(self) -> list[str]:
         """The server's command line (what the log shows); it runs under a watch on this process."""
-        return [sys.executable, "-m", "llama_cpp.server", *self._server_args()]
+        if self.engine == "llama-cpp-python":
+            return [sys.executable, "-m", "llama_cpp.server", *self._python_server_args()]
+        from serving.llama_build import installed_binary
+
+        return [str(installed_binary("llama-server")), *self._server_args()]
 
     def _server_args(self) -> list[str]:
+        # -c is the whole cache, split evenly between the slots.
+        args = ["-m", str(self.gguf), "--host", self.host, "--port", str(self.port), "-c", str(self.n_ctx * self.parallel),
+                "-np", str(self.parallel), "--no-webui", "--metrics"]
+        if self.n_threads is not None:
+            args += ["-t", str(self.n_threads), "-tb", str(self.n_threads)]
+        if self.speculation is not None:
+            args += self.speculation.args()
+        return args + self.extra_args
+
+    def _python_server_args(self) -> list[str]:
         args = ["--model", str(self.gguf), "--host", self.host, "--port", str(self.port), "--n_ctx", str(self.n_ctx)]
         if self.n_threads is not None:
             # n_threads is used while generating, n_threads_batch while reading the prompt.
@@ -159,6 +227,10 @@ class LlamaCppServer:
             raise RuntimeError(f"this server is already started (pid {self.proc.pid})")
         if not self.gguf.is_file():
             raise FileNotFoundError(f"no GGUF file at {self.gguf}")
+        if self.speculation is not None and self.speculation.draft_gguf is not None \
+                and not Path(self.speculation.draft_gguf).is_file():
+            raise FileNotFoundError(f"no draft GGUF file at {self.speculation.draft_gguf}")
+        self.command()  # raises here, before any process, when llama-server is not installed
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix="llama-cpp-server-", suffix=".log")
             os.close(fd)
@@ -191,11 +263,12 @@ class LlamaCppServer:
                                    "stop it or choose another port (port 0 picks a free one)")
         # The server reads HOST and PORT from the environment over its flags.
         env = {k: v for k, v in os.environ.items() if k not in ("HOST", "PORT")}
+        command = self.command()  # with the port of this attempt
         with open(self.log_path, "ab") as log:
             self._log_offset = log.tell()
-            log.write(f"$ {' '.join(self.command())}\n".encode())
+            log.write(f"$ {' '.join(command)}\n".encode())
             log.flush()
-            self.proc = subprocess.Popen([sys.executable, "-c", _WATCH_PARENT, str(os.getpid()), *self._server_args()],
+            self.proc = subprocess.Popen([sys.executable, "-c", _WATCH_PARENT, str(os.getpid()), *command],
                                          env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
         atexit.register(self.stop)  # a server started without `with` still stops at interpreter exit
@@ -208,21 +281,45 @@ class LlamaCppServer:
                     f"the llama.cpp server on {self.gguf} {describe_exit(code)}, before it became healthy; "
                     f"log {self.log_path}, last lines:\n{log_tail(self.log_path, offset=self._log_offset)}")
             if self.healthy():
+                self._after_start()
                 return
             if time.monotonic() > deadline:
                 self.stop()
                 raise ServerStartError(
-                    f"the llama.cpp server on {self.gguf} did not answer {self.base_url}/v1/models within "
+                    f"the llama.cpp server on {self.gguf} did not answer {self.base_url}{self._health_path} within "
                     f"{self.startup_timeout_s:.0f} s; log {self.log_path}, last lines:\n"
                     f"{log_tail(self.log_path, offset=self._log_offset)}")
             time.sleep(0.1)
 
+    @property
+    def _health_path(self) -> str:
+        # llama-server listens while it loads and answers /health 503 until the model is ready.
+        return "/health" if self.engine == "llama-server" else "/v1/models"
+
     def healthy(self, timeout_s: float = 2.0) -> bool:
-        """The server answers GET /v1/models with 200 (it loads the model before it listens)."""
+        """The server answers its health check with 200 (the model is loaded)."""
         try:
-            return httpx.get(self.base_url + "/v1/models", timeout=timeout_s).status_code == 200
+            return httpx.get(self.base_url + self._health_path, timeout=timeout_s).status_code == 200
         except httpx.HTTPError:
             return False
+
+    def _after_start(self) -> None:
+        """Read the build; a server asked to speculate must be speculating (llama.cpp falls back silently)."""
+        if self.engine != "llama-server":
+            return
+        try:
+            self.build_info = httpx.get(self.base_url + "/props", timeout=10).json().get("build_info")
+            slots = httpx.get(self.base_url + "/slots", timeout=10).json() if self.speculation is not None else []
+        except (httpx.HTTPError, ValueError) as e:
+            self.stop()
+            raise ServerStartError(f"the llama.cpp server on {self.gguf} is up but /props or /slots failed: {e!r}; "
+                                   f"log {self.log_path}") from None
+        if self.speculation is not None and not all(slot.get("speculative") for slot in slots):
+            self.stop()
+            raise ServerStartError(
+                f"llama-server started without speculative decoding ({self.speculation.spec_type}, draft "
+                f"{self.speculation.draft_gguf}): it could not set it up and serves without it; "
+                f"log {self.log_path}, last lines:\n{log_tail(self.log_path, offset=self._log_offset)}")
 
     def exit_code(self) -> int | None:
         """The server's exit status if it has exited (reaped: no zombie is left), else None."""

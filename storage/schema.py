@@ -495,6 +495,22 @@ MIGRATIONS: list[tuple[int, str, str]] = [
         );
         """,
     ),
+    (
+        8,
+        "server builds: the engine version behind every generation and benchmark row; TTFT p90",
+        """
+        ALTER TABLE generations ADD COLUMN server_build VARCHAR;
+        ALTER TABLE benchmark_results ADD COLUMN ttft_p90_s DOUBLE;
+        ALTER TABLE benchmark_results ADD COLUMN server_build VARCHAR;
+        """,
+    ),
+    (
+        9,
+        "checkpoints: the converter that made an export (llama.cpp's convert_hf_to_gguf.py for gguf)",
+        """
+        ALTER TABLE checkpoints ADD COLUMN converter VARCHAR;
+        """,
+    ),
 ]
 
 
@@ -543,6 +559,7 @@ GENERATION_ROWS = pa.schema(
         ("served_model", pa.string()),
         ("run_id", pa.string()),
         ("created_at", pa.timestamp("us", tz="UTC")),
+        ("server_build", pa.string()),
     ]
 )
 
@@ -598,5 +615,7 @@ BENCH_ROWS = pa.schema([
     ("details", pa.string()),
     ("run_id", pa.string()),
     ("created_at", pa.timestamp("us", tz="UTC")),
+    ("ttft_p90_s", pa.float64()),
+    ("server_build", pa.string()),
 ])
 

