@@ -81,7 +81,15 @@ def check_portable(report: CheckReport, libraries: list[Path] | None = None) -> 
     if objdump is None:
         report.ok(f"portable: not checked, objdump (binutils) is not installed ({len(libraries)} libraries)")
         return
-    offenders = {lib.name: n for lib in libraries if (n := non_portable_instructions(lib, objdump))}
+    offenders: dict[str, int] = {}
+    for lib in libraries:
+        try:
+            if n := non_portable_instructions(lib, objdump):
+                offenders[lib.name] = n
+        except subprocess.CalledProcessError as e:
+            report.fail(f"portable: objdump cannot read {lib} (not a program or library built here?): "
+                        f"{(e.stderr or '').strip()[:200]}")
+            return
     if offenders:
         listed = ", ".join(f"{name} ({n} instructions)" for name, n in sorted(offenders.items()))
         report.fail(f"portable: AVX-512/AMX code in {listed}: built for one CPU (-march=native or a cached wheel), "
