@@ -3,10 +3,11 @@
 Orchestration only: one training per workspace at a time; the run's identity and resume from its
 last checkpoint; the round (the written shards, or every generation in online mode), its epochs
 and optimizer steps; shards marked consumed at their first read and deleted after the round;
-metrics to the lineage store; checkpoints; export in the SGLang and speculators formats at the end
-of each round; progress bar, Prefect progress, table and markdown (PNG curves) artifacts.
+metrics to the lineage store; checkpoints; export in the SGLang, speculators and llama.cpp GGUF
+formats (`export_formats`) at the end of each round; progress bar, Prefect progress, table and
+markdown (PNG curves) artifacts.
 Under torchrun every process runs `run_training`; rank 0 alone writes lineage, checkpoints and
-artifacts. The work is in tasks/ (draft_model, train, export), persistence in storage/.
+artifacts. The work is in tasks/ (draft_model, train, export, export_gguf), persistence in storage/.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from tasks.chat import Sample, tokenise_rows
 from tasks.config import TrainConfig
 from tasks.draft_model import DraftConfig, Eagle3Draft, collate, load_target_embeddings, target_head_weight
 from tasks.export import export_sglang, export_speculators
+from tasks.export_gguf import GGUF_FILE, export_gguf, llamacpp_converter, target_folder_for
 from tasks.extract import Extracted, ExtractSettings, build_extractor
 from tasks.rounds import delete_consumed_shards, read_shard
 from tasks.target import load_configured_target
@@ -62,6 +64,7 @@ class TrainSummary:
     stopped_by: str = "done"  # done | no_data | max_steps
     checkpoint: str | None = None
     exports: dict[str, str] = field(default_factory=dict)
+    export_seconds: dict[str, float] = field(default_factory=dict)
     curves_png: str | None = None
     seconds: float = 0.0
     world_size: int = 1
@@ -243,7 +246,8 @@ def run_training(config: TrainConfig, store: LineageStore, run_id: str, dist: Di
         if dist.main:
             store.write_train_round(run_id, config.run_name, pos.round_index, pos.shards, len(items), config.epochs,
                                     state.step)
-            _export(config, draft, store, run_id, summary, state, ekey, found["vocab_id"], identity, aux_ids, ckpt_root)
+            _export(config, draft, store, run_id, summary, state, ekey, found["vocab_id"], identity, aux_ids, ckpt_root,
+                    logger)
             summary.shards_trained += len(pos.shards)
             if config.delete_consumed and pos.shards:
                 summary.shards_deleted += len(delete_consumed_shards(store, shard_store, pos.shards))
@@ -316,21 +320,43 @@ def _train_round(config: TrainConfig, draft: Eagle3Draft, optimizer, schedule: S
 
 
 def _export(config: TrainConfig, draft: Eagle3Draft, store: LineageStore, run_id: str, summary: TrainSummary,
-            state: TrainState, ekey: str, vocab_id: str, identity, aux_ids: list[int], ckpt_root: Path) -> None:
-    """Both serving formats of the draft at the end of a round, each registered with its lineage."""
+            state: TrainState, ekey: str, vocab_id: str, identity, aux_ids: list[int], ckpt_root: Path, logger) -> None:
+    """The configured serving formats of the draft at the end of a round, each registered with its lineage.
+
+    Each is a folder `export/<format>-step-N`; gguf's holds one file, converted from the sglang folder.
+    """
     verifier = config.target.model_path or identity.name
-    for fmt, write in (("sglang", lambda f: export_sglang(draft, f)),
-                       ("speculators", lambda f: export_speculators(draft, f, verifier))):
+    folders: dict[str, Path] = {}
+    for fmt in ("sglang", "speculators", "gguf"):
+        if fmt not in config.export_formats:
+            continue
         folder = ckpt_root / "export" / f"{fmt}-step-{state.step:08d}"
         if folder.exists():
             shutil.rmtree(folder)  # the same step exported again after a crash: rewrite it
-        write(folder)
+        started = time.monotonic()
+        converter = None
+        if fmt == "sglang":
+            export_sglang(draft, folder)
+        elif fmt == "speculators":
+            export_speculators(draft, folder, verifier)
+        else:
+            t = config.target
+            target_folder = target_folder_for(t.gguf, t.model_path, t.revision, t.dtype)
+            export_gguf(folders["sglang"], target_folder, folder / GGUF_FILE, outtype=config.gguf_outtype,
+                        aux_layer_ids=aux_ids)
+            converter = llamacpp_converter()[1]
+        seconds = time.monotonic() - started
+        sha = file_sha256(folder / GGUF_FILE) if fmt == "gguf" else weights_sha256(folder)
         name = f"{config.run_name}/{fmt}-step-{state.step:08d}"
         store.register_checkpoint(run_id, {
             "checkpoint": name, "run_name": config.run_name, "step": state.step, "format": fmt, "path": str(folder),
-            "sha256": weights_sha256(folder), "rounds": state.rounds_done, "target": identity.name,
-            "target_revision": identity.revision, "aux_layer_ids": aux_ids, "vocab_id": vocab_id, "extract_key": ekey})
+            "sha256": sha, "rounds": state.rounds_done, "target": identity.name,
+            "target_revision": identity.revision, "aux_layer_ids": aux_ids, "vocab_id": vocab_id, "extract_key": ekey,
+            "converter": converter})
+        folders[fmt] = folder
         summary.exports[fmt] = str(folder.resolve())
+        summary.export_seconds[fmt] = round(seconds, 2)
+        logger.info("exported %s (%s) in %.1f s", name, fmt, seconds)
 
 
 def curves_png(metrics: list[dict], path: Path) -> Path:

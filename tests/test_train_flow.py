@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from flows.extract import extract
 from flows.train import train
+from storage.datasets import file_sha256
 from storage.lineage import LineageStore
 from tasks.config import TrainConfig
 from tasks.export import check_sglang, check_speculators
@@ -61,7 +62,14 @@ def test_a_round_learns_is_consumed_deleted_exported_and_traceable(extracted, tm
     # every exported checkpoint traces back to the samples, generations, prompts and source records
     _, lineage = store.query_readonly(
         "SELECT format, count(DISTINCT sample_id), count(DISTINCT record_key) FROM checkpoint_lineage GROUP BY 1 ORDER BY 1")
-    assert lineage == [("sglang", 24, 24), ("speculators", 24, 24)]
+    assert lineage == [("gguf", 24, 24), ("sglang", 24, 24), ("speculators", 24, 24)]
+    # the llama.cpp GGUF: converted from the sglang export, layers named as llama.cpp captures them
+    from tasks.export_gguf import read_gguf_draft
+
+    gguf = Path(s.exports["gguf"]) / "draft.gguf"
+    assert read_gguf_draft(gguf).target_layers == [2, 4, 5]  # inputs of layers 2, 4, 5 = outputs of 1, 3, 4
+    _, rows = store.query_readonly("SELECT sha256, converter FROM checkpoints WHERE format = 'gguf'")
+    assert rows == [(file_sha256(gguf), rows[0][1])] and rows[0][1].startswith("llama.cpp@")
 
     # the doctor passes the export, with the trained layers taken from lineage, and refuses the EAGLE flag
     from typer.testing import CliRunner
