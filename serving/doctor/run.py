@@ -1,0 +1,88 @@
+"""The engine registry and `run_doctor`, which dispatches through it.
+
+Owns `CONTRACTS` (engine name -> its EngineContract: the one place an engine is registered),
+`ENGINES` and `run_doctor`. Promises: the checks are reported in one fixed order for every engine
+(files, the folder checks, aux_layers, then the launch command's), and nothing here branches on an
+engine's name.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from serving.doctor import sglang, vllm
+from serving.doctor.checks import check_aux_layers, folder_checks
+from serving.doctor.core import (
+    Check,
+    DoctorReport,
+    Engine,
+    EngineContract,
+    TargetInfo,
+    load_target_info,
+    make_context,
+    read_folder,
+)
+from serving.doctor.fix import fix as fix_copy
+from serving.launch import engine_arguments
+from tasks.export import CONFIG_FILE, SGLANG_VERSIONS, WEIGHTS_FILE, SGLangVersion
+
+# A new engine: its module's CONTRACT here, and its name in core.Engine.
+CONTRACTS: dict[Engine, EngineContract] = {c.name: c for c in (sglang.CONTRACT, vllm.CONTRACT)}
+ENGINES: tuple[Engine, ...] = tuple(CONTRACTS)
+
+
+def _launch_checks(launch: str | Sequence[str], engine: Engine, draft: Path, target: TargetInfo) -> list[Check]:
+    argv = shlex.split(launch) if isinstance(launch, str) else list(launch)
+    args = engine_arguments(argv, engine)
+    if args is None:
+        other = next((e for e in ENGINES if e != engine and engine_arguments(argv, e) is not None), None)
+        hint = f" (it starts {other}: check with engine={other!r})" if other else ""
+        expected = CONTRACTS[engine].launch_usage
+        return [Check("launch_command", False, f"the command does not start {engine}{hint}; expected `{expected}`")]
+    checks = [Check("launch_command", True, f"starts {engine}")]
+    return checks + CONTRACTS[engine].launch_checks(argv, args, draft, target)
+
+
+def run_doctor(draft_dir: str | Path, target: str | Path | Mapping[str, Any], engine: Engine = "sglang",
+               launch: str | Sequence[str] | None = None, expected_aux_layer_ids: Sequence[int] | None = None,
+               sglang_version: SGLangVersion | None = None, fix: bool = False,
+               fix_dir: str | Path | None = None) -> DoctorReport:
+    """Check `draft_dir` against the serving contract of `engine` for `target` (and `launch`, when given).
+
+    target: the target's config as a dict, its config.json, or its model folder (a hub id is not
+    read). expected_aux_layer_ids: the layers the draft was trained on (project convention), from
+    lineage (`expected_aux_layer_ids_from_lineage`); else the folder's own record is used.
+    sglang_version: the SGLang the server runs; None checks both before and since PR #25454.
+    fix: write a corrected copy to `fix_dir` (default `<draft_dir>-fixed`) when every failing
+    folder check is mechanical, and check the copy (`report.fixed`).
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if sglang_version is not None and sglang_version not in SGLANG_VERSIONS:
+        raise ValueError(f"sglang_version must be one of {SGLANG_VERSIONS} or None, got {sglang_version!r}")
+    draft = Path(draft_dir).expanduser()
+    info = load_target_info(target)
+    report = DoctorReport(draft_dir=draft, engine=engine, target_vocab_size=info.vocab_size)
+    folder, problem = read_folder(draft)
+    if folder is None:
+        report.checks.append(Check("files", False, problem or "unreadable draft folder"))
+        if launch is not None:
+            report.checks += _launch_checks(launch, engine, draft, info)
+        return report
+    report.checks.append(Check("files", True, f"{CONFIG_FILE} and {WEIGHTS_FILE}"))
+    ctx = make_context(folder, CONTRACTS[engine], info, expected_aux_layer_ids, sglang_version)
+    archs = folder.config.get("architectures")
+    report.architecture = archs[0] if isinstance(archs, list) and len(archs) == 1 else str(archs)
+    report.hidden_size, report.draft_vocab_size = ctx.hidden, ctx.n_draft
+    aux, captured = check_aux_layers(ctx)
+    report.captured_layers = captured
+    report.checks += [*folder_checks(ctx), aux]
+    if launch is not None:
+        report.checks += _launch_checks(launch, engine, draft, info)
+    if fix:
+        fix_copy(report, ctx, fix_dir,
+                 lambda out: run_doctor(out, target, engine, None, expected_aux_layer_ids, sglang_version))
+    return report
