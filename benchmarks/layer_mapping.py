@@ -1,0 +1,115 @@
+"""The layer mapping, proven in the real engine: the same trained draft converted to GGUF with the
+right layer ids (ours + 1: llama.cpp captures a layer's input) and with the ids one too low (ours
+written as they are, the natural mistake), each served by llama-server with the target, greedy,
+chain depth k, on the same prompts. The wrong mapping feeds the draft other layers' states than it
+was trained on: acceptance must drop, and the doctor must name it.
+
+Also runs the doctor (engine llamacpp) on both GGUFs, when the doctor has that engine.
+
+Run: .venv/bin/python benchmarks/layer_mapping.py SGLANG_EXPORT_DIR [--prompts 12] [--max-tokens 64] [-k 3]
+     (SGLANG_EXPORT_DIR: a trained export, e.g. runs/demo/checkpoints/demo-draft/export/sglang-step-N)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx  # noqa: E402
+
+from benchmarks.report import load, table  # noqa: E402
+from serving.embedded import LlamaCppServer, Speculation  # noqa: E402
+from tasks.evaluate import benchmark_sets, prompts_for_benchmark  # noqa: E402
+from tasks.export import sglang_layer_ids  # noqa: E402
+from tasks.export_gguf import export_gguf, read_gguf_draft, target_folder_for  # noqa: E402
+from tasks.target import gguf_chat_template, load_target, smollm2_gguf_path  # noqa: E402
+
+
+def shifted_copy(export: Path, out: Path, shift: int) -> Path:
+    """A copy of the SGLang export claiming it was trained on layers `shift` away (weights unchanged)."""
+    shutil.copytree(export, out)
+    config = json.loads((out / "config.json").read_text())
+    record = config["eagle3_pipeline"]
+    record["aux_layer_ids"] = [i + shift for i in record["aux_layer_ids"]]
+    record["sglang_version"] = "before-pr25454"  # one SGLang convention that can write these ids
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = sglang_layer_ids(
+        record["aux_layer_ids"], record["target_num_layers"], record["sglang_version"])
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def serve_and_measure(draft: Path, prompts: list[list[int]], k: int, max_tokens: int, threads: int) -> dict:
+    speculation = Speculation("draft-eagle3", draft_gguf=draft, n_max=k)
+    tokens = accepted = drafted = 0
+    outputs = []
+    with LlamaCppServer(smollm2_gguf_path(), n_ctx=2048, n_threads=threads, speculation=speculation) as server:
+        for ids in prompts:
+            r = httpx.post(server.base_url + "/completion", timeout=600, json={
+                "prompt": ids, "n_predict": max_tokens, "temperature": 0.0, "repeat_penalty": 1.0,
+                "return_tokens": True, "cache_prompt": False}).json()
+            t = r["timings"]
+            tokens += t["predicted_n"]
+            accepted += t.get("draft_n_accepted", 0)
+            drafted += t.get("draft_n", 0)
+            outputs.append(r["tokens"])
+    rounds = tokens - len(prompts) - accepted  # target forwards after each prefill
+    return {"tokens": tokens, "accepted": accepted, "drafted": drafted, "rounds": rounds,
+            "acceptance": tokens / rounds if rounds else None, "outputs": outputs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("export", type=Path)
+    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("-k", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    args = ap.parse_args()
+
+    started = time.monotonic()
+    load_before = load()
+    _, tokenizer = load_target()
+    bench = prompts_for_benchmark(tokenizer, gguf_chat_template(smollm2_gguf_path()), benchmark_sets(True),
+                                  args.prompts)
+    prompts = [p.input_ids for p in bench]
+    target_dir = target_folder_for()
+    work = Path(tempfile.mkdtemp(prefix="layer-mapping-"))
+    variants = {"right (ours + 1)": export_gguf(args.export, target_dir, work / "right.gguf"),
+                "one too low (ours as written)": export_gguf(shifted_copy(args.export, work / "low", -1), target_dir,
+                                                             work / "low.gguf")}
+    results = {name: serve_and_measure(path, prompts, args.k, args.max_tokens, args.threads)
+               for name, path in variants.items()}
+    doctor = {}
+    try:
+        from serving.doctor import run_doctor
+
+        trained = json.loads((args.export / "config.json").read_text())["eagle3_pipeline"]["aux_layer_ids"]
+        for name, path in variants.items():
+            report = run_doctor(path, target_dir, engine="llamacpp", expected_aux_layer_ids=trained)
+            doctor[name] = "passes" if report.passed else "; ".join(c.name for c in report.checks if not c.ok)
+    except (ImportError, ValueError, KeyError) as e:  # the doctor may not know llama.cpp yet
+        doctor = {name: f"n/a ({type(e).__name__})" for name in variants}
+    right = results["right (ours + 1)"]
+    rows = []
+    for name, r in results.items():
+        same = sum(a == b for a, b in zip(r["outputs"], right["outputs"]))
+        rows.append([name, str(read_gguf_draft(variants[name]).target_layers), r["tokens"], r["rounds"],
+                     f"{r['accepted']}/{r['drafted']}", f"{r['acceptance']:.3f}",
+                     f"{r['acceptance'] / right['acceptance']:.2f}x", f"{same}/{len(prompts)}", doctor.get(name, "")])
+    table(f"Layer mapping in llama-server: {args.export.name}, {len(prompts)} HumanEval prompts, greedy, k={args.k}, "
+          f"{args.max_tokens} new tokens (load {load_before} -> {load()}; {time.monotonic() - started:.0f} s)",
+          ["GGUF ids", "target_layers", "tokens", "target forwards", "accepted/drafted", "acceptance", "vs right",
+           "same output as right", "doctor"], rows)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
