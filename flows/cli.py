@@ -263,10 +263,11 @@ def train(
 
 @app.command()
 def doctor(
-    draft_dir: Path = typer.Argument(..., help="An exported draft folder (SGLang or speculators format)."),
+    draft_dir: Path = typer.Argument(..., help="An exported draft folder (SGLang or speculators format); for "
+                                     "llamacpp also the converted .gguf (or its folder)."),
     target: Optional[str] = typer.Option(None, "--target", help="Target model folder or config.json "
                                          "(default: the embedded SmolLM2)."),
-    engine: str = typer.Option("sglang", "--engine", help="sglang or vllm."),
+    engine: str = typer.Option("sglang", "--engine", help="sglang, vllm or llamacpp (llama-server)."),
     launch: Optional[str] = typer.Option(None, "--launch", help="The server launch command to check too."),
     sglang_version: Optional[str] = typer.Option(None, "--sglang-version", help="before-pr25454 or since-pr25454 "
                                                  "(default: the draft must serve both)."),
@@ -279,10 +280,10 @@ def doctor(
     workspace: Optional[str] = WorkspaceOpt,
 ) -> None:
     """Check a draft against the serving contract; exit 1 with one line per failed check."""
-    from serving.doctor import expected_aux_layer_ids_from_lineage, run_doctor
+    from serving.doctor import ENGINES, expected_aux_layer_ids_from_lineage, run_doctor
 
-    if engine not in ("sglang", "vllm"):
-        err.print(f"[red]--engine must be sglang or vllm, not {engine!r}[/red]", highlight=False)
+    if engine not in ENGINES:
+        err.print(f"[red]--engine must be one of {', '.join(ENGINES)}, not {engine!r}[/red]", highlight=False)
         raise typer.Exit(2)
     if target is None:
         from tasks.target import load_target, smollm2_gguf_path, target_cache_folder
@@ -294,6 +295,8 @@ def doctor(
     if ws is not None and (ws / "lineage.duckdb").exists():
         try:
             expected = expected_aux_layer_ids_from_lineage(ws / "lineage.duckdb", draft_dir)
+            if expected is None and draft_dir.is_file():  # a GGUF: lineage registers the folder holding it
+                expected = expected_aux_layer_ids_from_lineage(ws / "lineage.duckdb", draft_dir.parent)
         except ValueError as e:
             err.print(f"[red]lineage: {e}[/red]", highlight=False)
             raise typer.Exit(1) from None

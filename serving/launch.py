@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-Engine = Literal["sglang", "vllm"]
+Engine = Literal["sglang", "vllm", "llamacpp"]  # llamacpp: `llama-server` (launch checks only, no baseline)
 
 @dataclass(frozen=True)
 class BaselineSpec:
@@ -118,6 +118,9 @@ def _launches(argv: Sequence[str], engine: Engine) -> tuple[bool, int]:
                 return True, i + 1
             if Path(token).name == "sglang" and i + 1 < len(argv) and argv[i + 1] == "serve":
                 return True, i + 2
+        elif engine == "llamacpp":
+            if Path(token).name == "llama-server":
+                return True, i + 1
         else:
             if Path(token).name == "vllm" and i + 1 < len(argv) and argv[i + 1] == "serve":
                 return True, i + 2
@@ -333,7 +336,7 @@ def speculative_sweep(target_model_path: str | Path, draft_dir: str | Path, *,
 
 
 def engine_arguments(argv: Sequence[str], engine: Engine) -> list[str] | None:
-    """The engine's own arguments in a launch command (after `-m sglang.launch_server`, `vllm serve`, ...); None if it does not start `engine`."""
+    """The engine's own arguments in a launch command (after `-m sglang.launch_server`, `vllm serve`, `llama-server`); None if it does not start `engine`."""
     ok, start = _launches(argv, engine)
     return list(argv[start:]) if ok else None
 

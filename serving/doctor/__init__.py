@@ -1,4 +1,4 @@
-"""The serving-contract check ("doctor"): refuses a draft that SGLang or vLLM would serve wrong without an error.
+"""The serving-contract check ("doctor"): refuses a draft SGLang, vLLM or llama.cpp would serve wrong without an error.
 
 Owns `run_doctor` (a draft folder and its target, optionally the launch command, against one engine),
 `DoctorReport`, the `fix=True` repair and `expected_aux_layer_ids_from_lineage`. Promises: each silent
@@ -10,7 +10,8 @@ corrected copy only when every failing folder check is mechanical, and re-checks
 
 Layout: core.py (report, target, folder, EngineContract, context, lineage), checks.py (the folder
 checks every engine shares), command.py (launch-command helpers), fix.py (the repair), one module per
-engine (sglang.py, vllm.py: its facts and checks as one EngineContract) and run.py (the registry and
+engine (sglang.py, vllm.py, llamacpp.py: its facts and checks as one EngineContract; llama.cpp's also
+checks the converted GGUF) and run.py (the registry and
 `run_doctor`). The names below are the public API.
 """
 

@@ -32,7 +32,7 @@ def folder_checks(ctx: Context) -> list[Check]:
               check_required(ctx), check_weight_shapes(ctx), check_hidden(ctx), check_fc(ctx), check_q_proj(ctx),
               check_lm_head(ctx), check_target_vocab(ctx), check_vocab_mapping(ctx), contract.check_eagle_config(ctx),
               check_use_aux(ctx), check_tie(ctx), *(c(ctx) for c in contract.extra_checks))
-    return [c for c in checks if c is not None]
+    return [c for c in checks if c is not None and c.name not in contract.ignores]
 
 
 def ids_fix_hint(ctx: Context) -> tuple[bool, str]:
@@ -246,9 +246,7 @@ def check_vocab_mapping(ctx: Context) -> Check | None:
     fixable = d2t is not None and offsets_from_absolute(d2t, t2d, ctx.target.vocab_size, n) is not None
     fix = (" Fix: `eagle3 doctor --fix` rewrites d2t as offsets (d2t[i] = target_id(i) - i)." if fixable else
            " Not repairable mechanically: rebuild the vocab (tasks.vocab.build_draft_vocab) and re-export.")
-    return Check("vocab_mapping", False, "; ".join(lines) + "; SGLang proposes target id d2t[i] + i for draft id i, "
-                                                           "so the draft would propose wrong tokens." + fix,
-                 fixable=fixable)
+    return Check("vocab_mapping", False, "; ".join(lines) + f"; {ctx.contract.d2t_use}." + fix, fixable=fixable)
 
 
 def check_use_aux(ctx: Context) -> Check | None:

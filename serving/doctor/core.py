@@ -13,11 +13,11 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from tasks.export import CONFIG_FILE, PROJECT_KEY, SGLANG_VERSIONS, WEIGHTS_FILE, SGLangVersion
 
-Engine = Literal["sglang", "vllm"]
+Engine = Literal["sglang", "vllm", "llamacpp"]
 
 # The tensors of an EAGLE-3 draft, by their project (and SGLang) names.
 MIDLAYER_KEYS = ("input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
@@ -28,9 +28,10 @@ KNOWN = frozenset((*REQUIRED, "embed_tokens.weight"))
 PREFIXES = ("draft_model.", "model.")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 LAYER_FIELDS = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size", "rms_norm_eps")
-# Folder checks `fix=True` repairs for every engine; an engine adds its own through `extra_repairs`.
-COMMON_FIXABLE = ("weight_keys", "vocab_mapping", "eagle_config", "use_aux_hidden_state",
-                  "tie_word_embeddings", "aux_layers")
+# Folder checks `fix=True` repairs for every engine (besides its `ids_checks`); an engine adds its own
+# through `extra_repairs`.
+COMMON_FIXABLE = ("weight_keys", "vocab_mapping", "use_aux_hidden_state", "tie_word_embeddings")
+D2T_OFFSETS_USE = "SGLang proposes target id d2t[i] + i for draft id i, so the draft would propose wrong tokens"
 
 
 # ---------------------------------------------------------------- report
@@ -242,6 +243,11 @@ def _same_spelling(name: str) -> str:
     return name
 
 
+class CheckFile(Protocol):
+    def __call__(self, draft: Path, target: TargetInfo, expected: Sequence[int] | None, fix: bool,
+                 fix_dir: Path | None) -> DoctorReport | None: ...
+
+
 @dataclass(frozen=True)
 class EngineContract:
     """What one engine reads from a draft folder and a launch command; one per engine module, registered in run.py.
@@ -275,11 +281,19 @@ class EngineContract:
     loader_skips: Callable[[Context, set[str]], str | None] = _no_loader_skips  # further keys dropped silently
     spell_key: Callable[[str], str] = _same_spelling  # canonical name -> the engine's spelling (for --fix)
     rename_note: str = ""  # added to the weight_keys fix line
+    ignores: frozenset[str] = frozenset()  # shared folder checks about fields this engine never reads (not reported)
+    d2t_use: str = D2T_OFFSETS_USE  # what the engine does with d2t offsets (vocab_mapping's message)
+    # the checks whose repair is writing the aux layer ids (fix.py writes them when any of these fails)
+    ids_checks: tuple[str, ...] = ("eagle_config", "aux_layers")
+    # the aux-layer checks and the captured layers, when the shared `check_aux_layers` does not say it right
+    aux_checks: Callable[[Context], tuple[list[Check], dict[str, list[int | None]]]] | None = None
+    # the engine's own converted draft file (llama.cpp's GGUF): its report, or None when `draft` is no such file
+    check_file: CheckFile | None = None
 
     @property
     def fixable_checks(self) -> frozenset[str]:
         """The folder checks `fix=True` may repair for this engine."""
-        return frozenset((*COMMON_FIXABLE, *self.extra_repairs))
+        return frozenset((*COMMON_FIXABLE, *self.ids_checks, *self.extra_repairs))
 
 
 # ---------------------------------------------------------------- the context

@@ -63,7 +63,7 @@ def _repair(ctx: Context, failing: set[str]) -> tuple[dict[str, Any], dict[str, 
         assert offsets is not None  # the check said fixable
         tensors["d2t"] = torch.from_numpy(offsets)
         fixes.append("d2t rewritten from absolute target ids to offsets (d2t[i] = target_id(i) - i)")
-    if {"eagle_config", "aux_layers"} & failing:
+    if set(contract.ids_checks) & failing:
         ids = contract.ids_to_write(ctx)
         assert ids is not None  # the checks said fixable
         fixes.append(contract.write_ids(ctx, config, ids))

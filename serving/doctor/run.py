@@ -2,8 +2,8 @@
 
 Owns `CONTRACTS` (engine name -> its EngineContract: the one place an engine is registered),
 `ENGINES` and `run_doctor`. Promises: the checks are reported in one fixed order for every engine
-(files, the folder checks, aux_layers, then the launch command's), and nothing here branches on an
-engine's name.
+(files, the folder checks, the aux-layer checks, then the launch command's; an engine's own converted
+file, llama.cpp's GGUF, has its checks in its module), and nothing here branches on an engine's name.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from serving.doctor import sglang, vllm
+from serving.doctor import llamacpp, sglang, vllm
 from serving.doctor.checks import check_aux_layers, folder_checks
 from serving.doctor.core import (
     Check,
@@ -30,7 +30,7 @@ from serving.launch import engine_arguments
 from tasks.export import CONFIG_FILE, SGLANG_VERSIONS, WEIGHTS_FILE, SGLangVersion
 
 # A new engine: its module's CONTRACT here, and its name in core.Engine.
-CONTRACTS: dict[Engine, EngineContract] = {c.name: c for c in (sglang.CONTRACT, vllm.CONTRACT)}
+CONTRACTS: dict[Engine, EngineContract] = {c.name: c for c in (sglang.CONTRACT, vllm.CONTRACT, llamacpp.CONTRACT)}
 ENGINES: tuple[Engine, ...] = tuple(CONTRACTS)
 
 
@@ -46,18 +46,25 @@ def _launch_checks(launch: str | Sequence[str], engine: Engine, draft: Path, tar
     return checks + CONTRACTS[engine].launch_checks(argv, args, draft, target)
 
 
+def _one(result: tuple[Check, dict[str, list[int | None]]]) -> tuple[list[Check], dict[str, list[int | None]]]:
+    return [result[0]], result[1]
+
+
 def run_doctor(draft_dir: str | Path, target: str | Path | Mapping[str, Any], engine: Engine = "sglang",
                launch: str | Sequence[str] | None = None, expected_aux_layer_ids: Sequence[int] | None = None,
                sglang_version: SGLangVersion | None = None, fix: bool = False,
                fix_dir: str | Path | None = None) -> DoctorReport:
     """Check `draft_dir` against the serving contract of `engine` for `target` (and `launch`, when given).
 
+    draft_dir: the exported folder; for llamacpp also the converted .gguf (or a folder holding one).
+
     target: the target's config as a dict, its config.json, or its model folder (a hub id is not
     read). expected_aux_layer_ids: the layers the draft was trained on (project convention), from
     lineage (`expected_aux_layer_ids_from_lineage`); else the folder's own record is used.
     sglang_version: the SGLang the server runs; None checks both before and since PR #25454.
     fix: write a corrected copy to `fix_dir` (default `<draft_dir>-fixed`) when every failing
-    folder check is mechanical, and check the copy (`report.fixed`).
+    folder check is mechanical, and check the copy (`report.fixed`); a GGUF is re-converted from
+    its own SGLang export instead.
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
@@ -65,6 +72,14 @@ def run_doctor(draft_dir: str | Path, target: str | Path | Mapping[str, Any], en
         raise ValueError(f"sglang_version must be one of {SGLANG_VERSIONS} or None, got {sglang_version!r}")
     draft = Path(draft_dir).expanduser()
     info = load_target_info(target)
+    contract = CONTRACTS[engine]
+    # An engine's own converted file (llama.cpp's GGUF) has checks of its own; a folder goes on below.
+    own = contract.check_file(draft, info, expected_aux_layer_ids, fix, None if fix_dir is None else Path(fix_dir)) \
+        if contract.check_file is not None else None
+    if own is not None:
+        if launch is not None:
+            own.checks += _launch_checks(launch, engine, draft, info)
+        return own
     report = DoctorReport(draft_dir=draft, engine=engine, target_vocab_size=info.vocab_size)
     folder, problem = read_folder(draft)
     if folder is None:
@@ -73,13 +88,13 @@ def run_doctor(draft_dir: str | Path, target: str | Path | Mapping[str, Any], en
             report.checks += _launch_checks(launch, engine, draft, info)
         return report
     report.checks.append(Check("files", True, f"{CONFIG_FILE} and {WEIGHTS_FILE}"))
-    ctx = make_context(folder, CONTRACTS[engine], info, expected_aux_layer_ids, sglang_version)
+    ctx = make_context(folder, contract, info, expected_aux_layer_ids, sglang_version)
     archs = folder.config.get("architectures")
     report.architecture = archs[0] if isinstance(archs, list) and len(archs) == 1 else str(archs)
     report.hidden_size, report.draft_vocab_size = ctx.hidden, ctx.n_draft
-    aux, captured = check_aux_layers(ctx)
+    aux, captured = contract.aux_checks(ctx) if contract.aux_checks is not None else _one(check_aux_layers(ctx))
     report.captured_layers = captured
-    report.checks += [*folder_checks(ctx), aux]
+    report.checks += [*folder_checks(ctx), *aux]
     if launch is not None:
         report.checks += _launch_checks(launch, engine, draft, info)
     if fix:
