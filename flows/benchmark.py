@@ -4,8 +4,11 @@ Orchestration only: pick the draft (the latest export in lineage, or the one nam
 unless the doctor passes, measure offline acceptance with the baselines in the same table (prompt
 lookup, and the same draft fed only the final state, i.e. what `--speculative-algorithm EAGLE`
 produces), optionally benchmark running servers (probe first, then every concurrency level, then
-break-even), and store every number in `benchmark_results` linked to the checkpoint, with a Prefect
-table artifact and PNG plots. The measuring is in tasks/evaluate.py and serving/online_bench.py.
+break-even), optionally start llama.cpp's llama-server here and measure the draft's GGUF export on
+it (`serving`: the baseline, the draft at each K, n-gram drafting; lossless check, break-even, and
+online vs offline acceptance), and store every number in `benchmark_results` linked to the
+checkpoint, with Prefect table artifacts and PNG plots. The measuring is in tasks/evaluate.py,
+serving/online_bench.py and serving/engine_bench.py.
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ class BenchSummary:
     break_even: list[dict] = field(default_factory=list)
     throughput_png: str | None = None
     plot_png: str | None = None
+    serving_rows: list[dict] = field(default_factory=list)  # llama-server: one row per (config, concurrency)
+    serving_lines: list[str] = field(default_factory=list)  # verdict, break-even, lossless, online vs offline
+    serving_png: str | None = None
+    draft_gguf: str | None = None
 
 
 @flow(name="benchmark", log_prints=True)
@@ -78,6 +85,8 @@ def _benchmark(config: BenchConfig, store: LineageStore, run_id: str, logger) ->
                              + "\n".join(report.failure_lines()))
     summary.doctor = report.summary_line()
     logger.info(summary.doctor)
+    # Before any measuring: a serving benchmark without its GGUFs fails now, not after the offline numbers.
+    ggufs = _serving_ggufs(config, store, row) if config.serving is not None else None
 
     draft = load_sglang(draft_dir, embed_tokens=model.get_input_embeddings().weight.detach(),
                         expected_aux_layer_ids=expected).to(model.device).eval()
@@ -102,6 +111,9 @@ def _benchmark(config: BenchConfig, store: LineageStore, run_id: str, logger) ->
         for a in acceptance.aggregates])
     if config.online is not None:
         summary.online_rows = _online(config, store, run_id, summary, sets, tokenizer, identity.chat_template, logger)
+    if ggufs is not None:
+        _serving(config, store, run_id, summary, ggufs, sets, tokenizer, identity.chat_template,
+                 summary.acceptance.get("eagle3"), logger)
     png = store.path.parent / "reports" / "benchmark" / f"{summary.bench_id}-acceptance.png"
     summary.plot_png = str(acceptance_png(acceptance, png))
     _artifacts(summary)
@@ -147,6 +159,98 @@ def _online(config: BenchConfig, store: LineageStore, run_id: str, summary: Benc
     return rows
 
 
+def _serving(config: BenchConfig, store: LineageStore, run_id: str, summary: BenchSummary, ggufs: tuple[Path, Path],
+             sets, tokenizer, template, offline_acceptance: float | None, logger) -> None:
+    """llama-server started here: the baseline, the draft's GGUF at each K, n-gram drafting; rows, plot, verdict."""
+    from serving.engine_bench import agreement, agreement_line, plot_engine_benchmark, run_engine_benchmark
+    from tasks.evaluate import prompts_for_benchmark
+
+    serving = config.serving
+    assert serving is not None
+    target_gguf, draft_gguf = ggufs
+    summary.draft_gguf = str(draft_gguf)
+    prompts = [p.input_ids for p in prompts_for_benchmark(tokenizer, template, sets, config.prompts_per_domain)]
+    sweep = serving.sweep(config.draft_tokens)
+    max_new = serving.max_new_tokens or config.max_new_tokens
+    logger.info("llama-server on %s: baseline, EAGLE-3 %s at k=%s, %s; %d prompts, %d new tokens, concurrency %s",
+                target_gguf, draft_gguf, sweep, serving.ngram or "no n-gram", len(prompts), max_new, serving.levels())
+
+    def progress(report, result) -> None:
+        for lv in result.levels:
+            logger.info("%s (%s) at concurrency %d: %.1f tok/s, acceptance %s", report.label, report.server_build,
+                        lv.concurrency, lv.output_tok_s, lv.accept_length_token_weighted)
+
+    logs = store.path.parent / "reports" / "benchmark" / f"{summary.bench_id}-servers"
+    bench = run_engine_benchmark(target_gguf, prompts, draft_gguf=draft_gguf, draft_tokens=sweep, ngram=serving.ngram,
+                                 ngram_k=serving.ngram_tokens, parallel=serving.parallel, n_threads=serving.n_threads,
+                                 n_ctx=serving.n_ctx, concurrency=serving.levels(), max_new_tokens=max_new,
+                                 warmup=serving.warmup, log_dir=logs, recheck_baseline=serving.recheck_baseline,
+                                 on_config=progress)
+    rows = bench.rows()
+    agree = agreement(rows, config.draft_tokens, offline_acceptance)
+    summary.serving_rows = rows
+    note = "" if max_new == config.max_new_tokens else \
+        f"; not the same length: {max_new} new tokens online, {config.max_new_tokens} offline"
+    summary.serving_lines = bench.verdict() + [agreement_line(agree, config.draft_tokens, note)]
+    for line in summary.serving_lines:
+        logger.info(line)
+    store.write_benchmark_results(run_id, [{
+        "bench_id": summary.bench_id, "checkpoint": summary.checkpoint, "kind": "serving", "config_label": r["config"],
+        "drafter": r["drafter"], "domain": "all", "concurrency": r["concurrency"], "requests": r["requests"],
+        "completion_tokens": r["completion_tokens"], "verify_rounds": r["verify_rounds"],
+        "acceptance_token_weighted": r["acceptance"], "acceptance_request_mean": r["acceptance_request_mean"],
+        "acceptance_by_position": None, "output_tok_s": r["output_tok_s"],
+        "ttft_p50_s": _seconds(r["ttft_p50_ms"]), "ttft_p90_s": _seconds(r["ttft_p90_ms"]),
+        "server_build": r["server_build"],
+        "details": {**r, "draft_gguf": str(draft_gguf), "target_gguf": str(target_gguf),
+                    "offline_agreement": agree if r["drafter"] == "eagle3" and r["k"] == config.draft_tokens
+                    and r["concurrency"] == 1 else None}} for r in rows])
+    png = store.path.parent / "reports" / "benchmark" / f"{summary.bench_id}-serving.png"
+    offline = {config.draft_tokens: offline_acceptance} if offline_acceptance is not None else None
+    summary.serving_png = str(plot_engine_benchmark(rows, png, offline=offline,
+                                                    title=f"llama-server {rows[0]['server_build'] if rows else ''}"))
+
+
+def _serving_ggufs(config: BenchConfig, store: LineageStore, row: dict | None) -> tuple[Path, Path]:
+    """The target GGUF llama-server serves, and the draft's GGUF export (the checkpoint's, from lineage)."""
+    from tasks.target import smollm2_gguf_path
+
+    serving = config.serving
+    assert serving is not None
+    t = config.target
+    if serving.target_gguf or t.gguf:
+        target = Path(serving.target_gguf or t.gguf)
+    elif t.model_path is None:
+        target = smollm2_gguf_path()
+    else:
+        raise LineageError(f"benchmark.serving needs the target as a GGUF for llama-server: the target is "
+                           f"{t.model_path}; set benchmark.serving.target_gguf")
+    if serving.draft_gguf:
+        draft = Path(serving.draft_gguf)
+    else:
+        if row is None:
+            raise LineageError(f"benchmark.serving needs the draft as a GGUF: {config.checkpoint} is not a checkpoint "
+                               "registered in lineage, so no gguf export of it is known; set benchmark.serving.draft_gguf")
+        export = store.checkpoint_export(row["run_name"], row["step"], "gguf")
+        if export is None:
+            raise LineageError(f"benchmark.serving needs the draft as a GGUF: lineage has no gguf export of "
+                               f"{row['checkpoint']} (training run {row['run_name']!r}, step {row['step']}); train with "
+                               "export_formats including gguf, or set benchmark.serving.draft_gguf")
+        draft = Path(export["path"])
+    if draft.is_dir():
+        from tasks.export_gguf import GGUF_FILE
+
+        draft = draft / GGUF_FILE
+    for what, path in (("target", target), ("draft", draft)):
+        if not path.is_file():
+            raise LineageError(f"benchmark.serving: the {what} GGUF {path} does not exist")
+    return target, draft
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000
+
+
 def acceptance_png(report, path: Path) -> Path:
     """Acceptance rate by draft position, one line per drafter (all domains)."""
     import matplotlib
@@ -186,6 +290,17 @@ def _artifacts(summary: BenchSummary) -> None:
     if summary.break_even:
         create_table_artifact(key="benchmark-break-even", table=summary.break_even,
                               description="acceptance length needed to beat the baseline, per config")
+    if summary.serving_rows:
+        create_table_artifact(key="benchmark-serving", table=summary.serving_rows,
+                              description="llama-server started here, greedy: tok/s, TTFT, acceptance (completion "
+                                          "tokens / target forwards after the prefill, token-weighted), draft tokens "
+                                          "accepted/proposed, lossless (ids equal to the baseline's), break-even. "
+                                          + " ".join(summary.serving_lines))
+    if summary.serving_png:
+        data = base64.b64encode(Path(summary.serving_png).read_bytes()).decode()
+        create_markdown_artifact(key="benchmark-serving-plot", markdown="# llama-server\n\n"
+                                 + "\n".join(f"- {line}" for line in summary.serving_lines)
+                                 + f"\n\n![tok/s and acceptance by config](data:image/png;base64,{data})")
     if summary.plot_png:
         data = base64.b64encode(Path(summary.plot_png).read_bytes()).decode()
         create_markdown_artifact(key="benchmark-plot", markdown=f"# {summary.doctor}\n\n"

@@ -102,6 +102,47 @@ def acceptance_view(rows: list[dict]) -> tuple[list[str], list[tuple]]:
     return cols, out
 
 
+def serving_view(rows: list[dict]) -> tuple[list[str], list[tuple]]:
+    """The llama-server rows (the benchmark's summary rows, or the same read back from the store) as a person
+    reads them, in 80 columns: config, concurrency, speed against the baseline, TTFT p50/p90 in ms, acceptance,
+    draft tokens accepted / proposed, and how many outputs equal the baseline's (`*`: at concurrency > 1,
+    information only). The first divergence, if any, is in the verdict lines under the table."""
+    rank = {"baseline": 0, "eagle3": 1}
+    cols = ["config", "c", "tok/s", "speedup", "TTFT ms", "accept", "acc/draft", "lossless"]
+    out = []
+    for r in sorted(rows, key=lambda r: (rank.get(r["drafter"], 2), r.get("k") or 0, r["concurrency"])):
+        ttft = "/".join("-" if r.get(k) is None else f"{r[k]:.0f}" for k in ("ttft_p50_ms", "ttft_p90_ms"))
+        drafted = r.get("draft_n")
+        lossless = "-" if r.get("lossless_total") is None else f"{r['lossless_identical']}/{r['lossless_total']}"
+        if r.get("lossless_total") is not None and r.get("lossless_informational"):
+            lossless += "*"
+        speedup = r.get("speedup_vs_baseline")
+        out.append((r["config"], r["concurrency"], f"{r['output_tok_s']:.1f}",
+                    "-" if speedup is None else f"{speedup:.2f}x", ttft,
+                    "-" if r.get("acceptance") is None else f"{r['acceptance']:.2f}",
+                    "-" if drafted is None else f"{r.get('draft_n_accepted') or 0}/{drafted}", lossless))
+    return cols, out
+
+
+def _print_serving(rows: list[dict], lines: list[str]) -> None:
+    """The llama-server table, then the verdict (faster or slower, break-even, lossless, online vs offline)."""
+    build = next((r.get("server_build") for r in rows if r.get("server_build")), "?")
+    max_new = rows[0].get("max_new_tokens")
+    _print_rows(*serving_view(rows), OutputFormat.table,
+                f"llama-server {build}, greedy, {max_new} new tokens. TTFT p50/p90; accept = completion tokens / "
+                "target forwards after the prefill (token-weighted); acc/draft = draft tokens accepted/proposed; "
+                "lossless = outputs equal to the baseline's (*: batched, information only)", wrap=0)
+    for line in lines:
+        console.print(line, highlight=False, soft_wrap=True)
+
+
+def _serving_lines_from_rows(rows: list[dict]) -> list[str]:
+    from serving.engine_bench import agreement_line, verdict_lines
+
+    agree = [r["offline_agreement"] for r in rows if r.get("offline_agreement")]
+    return verdict_lines(rows) + [agreement_line(a, a["k"]) for a in agree]
+
+
 def _print_dicts(rows: list[dict], title: str) -> None:
     """A flow's summary table (the same rows its Prefect table artifact holds)."""
     _print_rows(list(rows[0]), [tuple(r.values()) for r in rows], OutputFormat.table, title)
@@ -360,6 +401,9 @@ def bench(
     if summary.break_even:
         _print_rows(list(summary.break_even[0]), [tuple(r.values()) for r in summary.break_even], OutputFormat.table,
                     "break-even")
+    if summary.serving_rows:
+        _print_serving(summary.serving_rows, summary.serving_lines)
+        console.print(f"plot: {summary.serving_png}", highlight=False)
     console.print(f"plot: {summary.plot_png}", highlight=False)
 
 
@@ -382,6 +426,9 @@ def run(
     _print_dicts([{"stage": s.stage, "state": s.state, "seconds": s.seconds, "what it did": s.detail}
                   for s in summary.stages], f"pipeline run {summary.run_id} ({summary.seconds:,.0f} s)")
     _print_dicts(report_rows(summary.report), "what the pipeline has produced (all runs)")
+    serving = summary.report.get("serving") or []
+    if serving:
+        _print_serving(serving, _serving_lines_from_rows(serving))
     console.print(f"lineage: {summary.lineage_db}", highlight=False)
     store = LineageStore(summary.lineage_db)
     console.print("query it, e.g.:", highlight=False)

@@ -1,14 +1,15 @@
 """The online benchmark: tokens/s, TTFT, latency and acceptance length measured against running servers.
 
-Owns the measurement of serving speed over HTTP (SGLang's native streaming `/generate`, or the
-OpenAI streaming API for servers without it, e.g. the llama.cpp baseline), the acceptance probe
-run right after a speculative launch, and the break-even arithmetic. Promises: acceptance comes
-only from the server's own per-request `meta_info` (`completion_tokens`, `spec_verify_ct`), is
-reported both token-weighted (sum / sum) and as a per-request mean under names that say which;
-a server declared speculative that does not report `spec_verify_ct` is an error naming the
-config, never an acceptance of 1.0; a "baseline" that reports it is an error too (it speculates,
-and every speedup against it would be wrong); a failed request fails the benchmark rather than
-quietly leaving the slow tail out of the numbers.
+Owns the measurement of serving speed over HTTP: SGLang's native streaming `/generate`, llama.cpp's
+streaming `/completion` (token ids in and out, draft counters in `timings`), or the OpenAI
+streaming API for servers with neither; and the acceptance probe run right after a speculative
+launch. The numbers and the break-even arithmetic are in serving/bench_results.py (re-exported
+here). Promises: acceptance comes only from the server's own per-request counters (SGLang's
+`meta_info.spec_verify_ct`; llama.cpp's `timings.draft_n_accepted`), reported both token-weighted
+(sum / sum) and as a per-request mean under names that say which; a server declared speculative
+that reports no such counter is an error naming the config, never an acceptance of 1.0; a
+"baseline" that reports one is an error too (it speculates, and every speedup against it would be
+wrong); a failed request fails the benchmark rather than quietly leaving the slow tail out.
 """
 
 from __future__ import annotations
@@ -16,22 +17,27 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import math
-import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 
+from serving.bench_results import (BaselineSpeculates, BenchmarkError, BreakEven, BreakEvenReport, LevelResult,
+                                   OnlineBenchResult, RequestMetrics, SpecMetricsMissing, break_even)
 from serving.client import Endpoint, resolve_api_key
+
+__all__ = ["AcceptanceTooLow", "BaselineSpeculates", "BenchmarkError", "BreakEven", "BreakEvenReport", "LevelResult",
+           "OnlineBenchResult", "RequestMetrics", "ServerConfig", "SpecMetricsMissing", "break_even",
+           "llamacpp_completion", "plot_throughput", "probe_acceptance", "run_online_benchmark"]
 
 Message = Mapping[str, Any]
 # A rendered chat prompt (text), its token ids, or a conversation (list of messages).
 Prompt = str | Sequence[int] | Sequence[Message]
-Api = Literal["sglang", "openai"]
+Api = Literal["sglang", "openai", "llamacpp"]
+SPECULATIVE_APIS = ("sglang", "llamacpp")  # the APIs whose responses carry draft/verify counters
 
 # Why acceptance is low, most telling first (CONTRACTS.md, "Silent failures seen in the field").
 LIKELY_CAUSES: tuple[str, ...] = (
@@ -63,18 +69,6 @@ LIKELY_CAUSES: tuple[str, ...] = (
 )
 
 
-class BenchmarkError(RuntimeError):
-    """A request failed or a server answered something the benchmark cannot measure."""
-
-
-class SpecMetricsMissing(BenchmarkError):
-    """A config declared speculative returned no `spec_verify_ct`: the server did not speculate."""
-
-
-class BaselineSpeculates(BenchmarkError):
-    """A config declared as the baseline (no speculation) returned `spec_verify_ct`."""
-
-
 class AcceptanceTooLow(BenchmarkError):
     """The acceptance probe measured less than its threshold; the message lists the likely causes."""
 
@@ -93,239 +87,17 @@ class ServerConfig:
     label: str
     speculative: bool = False
     url: str | None = None  # base URL; None: the benchmark's endpoint_url
-    api: Api = "sglang"  # "sglang": POST /generate; "openai": /v1/chat/completions (or /v1/completions for text)
+    # "sglang": POST /generate; "llamacpp": POST /completion (llama-server); "openai": /v1/chat/completions
+    # (or /v1/completions for text)
+    api: Api = "sglang"
     model: str | None = None  # the OpenAI "model" field, where the server wants one
     num_draft_tokens: int | None = None  # --speculative-num-draft-tokens, for the acceptance-rate diagnosis
     extra_body: Mapping[str, Any] = field(default_factory=dict)  # e.g. llama.cpp's repeat_penalty
     api_key_env: str | None = None  # environment variable holding the key (never logged)
-
-
-@dataclass(frozen=True)
-class RequestMetrics:
-    """One measured request, as the client saw it (times) and as the server reported it (tokens)."""
-
-    config: str
-    concurrency: int
-    prompt_index: int
-    completion_tokens: int
-    ttft_s: float | None  # send -> first event carrying a token
-    latency_s: float  # send -> end of the stream
-    spec_verify_ct: int | None
-    spec_accept_rate: float | None  # as the server reported it (None where it did not)
-    finish_reason: str | None
-    tokens_source: Literal["meta_info", "usage", "stream_chunks"]
-
-    @property
-    def accept_length(self) -> float | None:
-        if not self.spec_verify_ct:
-            return None
-        return self.completion_tokens / self.spec_verify_ct
-
-    def to_row(self) -> dict[str, Any]:
-        return {"config": self.config, "concurrency": self.concurrency, "prompt_index": self.prompt_index,
-                "completion_tokens": self.completion_tokens, "ttft_ms": _ms(self.ttft_s),
-                "latency_ms": _ms(self.latency_s), "spec_verify_ct": self.spec_verify_ct,
-                "accept_length": _round(self.accept_length), "finish_reason": self.finish_reason,
-                "tokens_source": self.tokens_source}
-
-
-@dataclass(frozen=True)
-class LevelResult:
-    """All requests of one config at one concurrency level, and what they add up to."""
-
-    config: str
-    speculative: bool
-    concurrency: int
-    wall_s: float  # first send -> last stream end
-    requests: tuple[RequestMetrics, ...]
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(r.completion_tokens for r in self.requests)
-
-    @property
-    def output_tok_s(self) -> float:
-        """Aggregate output tokens per second of wall clock, all streams together."""
-        return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-    def ttft_quantile(self, q: float) -> float | None:
-        return _quantile([r.ttft_s for r in self.requests if r.ttft_s is not None], q)
-
-    def latency_quantile(self, q: float) -> float | None:
-        return _quantile([r.latency_s for r in self.requests], q)
-
-    @property
-    def latency_mean_s(self) -> float | None:
-        return statistics.fmean(r.latency_s for r in self.requests) if self.requests else None
-
-    @property
-    def spec_verify_ct(self) -> int | None:
-        if not self.speculative:
-            return None
-        return sum(r.spec_verify_ct or 0 for r in self.requests)
-
-    @property
-    def accept_length_token_weighted(self) -> float | None:
-        """sum(completion_tokens) / sum(spec_verify_ct) over all requests: what the server's log reports."""
-        verify = self.spec_verify_ct
-        return self.completion_tokens / verify if verify else None
-
-    @property
-    def accept_length_request_mean(self) -> float | None:
-        """The mean of each request's completion_tokens / spec_verify_ct: short requests weigh as much as long ones."""
-        per_request = [r.accept_length for r in self.requests if r.accept_length is not None]
-        return statistics.fmean(per_request) if per_request else None
-
-    @property
-    def spec_accept_rate_mean(self) -> float | None:
-        rates = [r.spec_accept_rate for r in self.requests if r.spec_accept_rate is not None]
-        return statistics.fmean(rates) if rates else None
-
-    @property
-    def time_per_verify_round_s(self) -> float | None:
-        """One stream's wall time per verify round: sum(latency) / sum(spec_verify_ct), prefill included."""
-        verify = self.spec_verify_ct
-        return sum(r.latency_s for r in self.requests) / verify if verify else None
-
-    @property
-    def time_per_token_s(self) -> float | None:
-        """One stream's wall time per output token: sum(latency) / sum(completion_tokens)."""
-        tokens = self.completion_tokens
-        return sum(r.latency_s for r in self.requests) / tokens if tokens else None
-
-    def to_row(self) -> dict[str, Any]:
-        return {"config": self.config, "speculative": self.speculative, "concurrency": self.concurrency,
-                "requests": len(self.requests), "completion_tokens": self.completion_tokens,
-                "wall_s": round(self.wall_s, 3), "output_tok_s": round(self.output_tok_s, 2),
-                "ttft_p50_ms": _ms(self.ttft_quantile(0.5)), "ttft_p90_ms": _ms(self.ttft_quantile(0.9)),
-                "latency_mean_ms": _ms(self.latency_mean_s), "latency_p50_ms": _ms(self.latency_quantile(0.5)),
-                "latency_p90_ms": _ms(self.latency_quantile(0.9)), "spec_verify_ct": self.spec_verify_ct,
-                "accept_len_token_weighted": _round(self.accept_length_token_weighted),
-                "accept_len_request_mean": _round(self.accept_length_request_mean)}
-
-    def to_rows(self) -> list[dict[str, Any]]:
-        """One row per request."""
-        return [r.to_row() for r in self.requests]
-
-
-@dataclass(frozen=True)
-class BreakEven:
-    """Whether one speculative config beats the baseline at one concurrency, and what it would take."""
-
-    config: str
-    concurrency: int
-    baseline_tok_s: float
-    spec_tok_s: float
-    baseline_time_per_token_s: float  # per stream: concurrency / baseline_tok_s
-    time_per_verify_round_s: float  # per stream, measured on the speculative run
-    measured_accept_length: float  # token-weighted
-    needed_accept_length: float  # time per verify round / baseline time per token
-    predicted_speedup: float  # measured / needed
-    speedup: float  # spec_tok_s / baseline_tok_s, measured
-
-    @property
-    def beats_baseline(self) -> bool:
-        return self.measured_accept_length > self.needed_accept_length
-
-    def to_row(self) -> dict[str, Any]:
-        return {"config": self.config, "concurrency": self.concurrency,
-                "baseline_tok_s": round(self.baseline_tok_s, 2), "spec_tok_s": round(self.spec_tok_s, 2),
-                "baseline_ms_per_token": _ms(self.baseline_time_per_token_s),
-                "ms_per_verify_round": _ms(self.time_per_verify_round_s),
-                "accept_len_measured_token_weighted": _round(self.measured_accept_length),
-                "accept_len_needed": _round(self.needed_accept_length),
-                "predicted_speedup": _round(self.predicted_speedup), "speedup": _round(self.speedup),
-                "beats_baseline": self.beats_baseline}
-
-
-@dataclass(frozen=True)
-class BreakEvenReport:
-    items: tuple[BreakEven, ...]
-
-    def to_rows(self) -> list[dict[str, Any]]:
-        return [b.to_row() for b in self.items]
-
-
-@dataclass(frozen=True)
-class OnlineBenchResult:
-    """Every (config, concurrency) level of one or more benchmark runs."""
-
-    levels: tuple[LevelResult, ...]
-    max_new_tokens: int
-
-    @classmethod
-    def combine(cls, results: Iterable[OnlineBenchResult]) -> OnlineBenchResult:
-        """Runs of one config each (a production node serves one config at a time) as one result."""
-        results = list(results)
-        if len({r.max_new_tokens for r in results}) > 1:
-            raise ValueError("results measured with different max_new_tokens do not compare")
-        return cls(tuple(lv for r in results for lv in r.levels), results[0].max_new_tokens if results else 0)
-
-    @property
-    def configs(self) -> list[str]:
-        return list(dict.fromkeys(lv.config for lv in self.levels))
-
-    def level(self, config: str, concurrency: int) -> LevelResult:
-        for lv in self.levels:
-            if lv.config == config and lv.concurrency == concurrency:
-                return lv
-        raise KeyError(f"no level for config {config!r} at concurrency {concurrency}")
-
-    def baseline_label(self, label: str | None = None) -> str | None:
-        """The baseline config: `label` if given, else the only non-speculative config (None if none or several)."""
-        if label is not None:
-            return label
-        baselines = list(dict.fromkeys(lv.config for lv in self.levels if not lv.speculative))
-        return baselines[0] if len(baselines) == 1 else None
-
-    def to_rows(self, baseline: str | None = None) -> list[dict[str, Any]]:
-        """One row per level, with the throughput ratio against the baseline at the same concurrency."""
-        base = self.baseline_label(baseline)
-        base_tok_s = {lv.concurrency: lv.output_tok_s for lv in self.levels if lv.config == base}
-        rows = []
-        for lv in self.levels:
-            row = lv.to_row()
-            ref = base_tok_s.get(lv.concurrency)
-            row["speedup_vs_baseline"] = round(lv.output_tok_s / ref, 3) if ref else None
-            rows.append(row)
-        return rows
-
-    def break_even(self, baseline: str | None = None) -> BreakEvenReport:
-        base = self.baseline_label(baseline)
-        if base is None:
-            raise ValueError("break-even needs one baseline: name it (several or no non-speculative configs)")
-        base_tok_s = {lv.concurrency: lv.output_tok_s for lv in self.levels if lv.config == base}
-        spec = [lv for lv in self.levels if lv.speculative and lv.concurrency in base_tok_s]
-        return break_even(base_tok_s, spec)
-
-
-def break_even(baseline_tok_s: float | Mapping[int, float], spec_levels: Iterable[LevelResult]) -> BreakEvenReport:
-    """The acceptance length each speculative level needs to beat the baseline, from its measured step cost.
-
-    `baseline_tok_s` is the baseline's aggregate tokens/s at the same concurrency (one number for all
-    levels, or one per concurrency). With c streams at once, one baseline stream spends
-    c / baseline_tok_s per token; one speculative stream spends latency / spec_verify_ct per verify
-    round and gets `acceptance length` tokens from it. So the needed acceptance length is
-    (time per verify round) / (baseline time per token), and measured / needed is the predicted
-    speedup; the measured speedup is the ratio of aggregate tokens/s.
-    """
-    items = []
-    for lv in spec_levels:
-        ref = baseline_tok_s if isinstance(baseline_tok_s, (int, float)) else baseline_tok_s.get(lv.concurrency)
-        if not ref or ref <= 0:
-            raise ValueError(f"no baseline tokens/s for concurrency {lv.concurrency} (config {lv.config!r})")
-        round_s, measured = lv.time_per_verify_round_s, lv.accept_length_token_weighted
-        if round_s is None or measured is None:
-            raise SpecMetricsMissing(f"config {lv.config!r} at concurrency {lv.concurrency} has no spec_verify_ct: "
-                                     "break-even needs a speculative run")
-        per_token = lv.concurrency / ref
-        needed = round_s / per_token
-        items.append(BreakEven(config=lv.config, concurrency=lv.concurrency, baseline_tok_s=float(ref),
-                               spec_tok_s=lv.output_tok_s, baseline_time_per_token_s=per_token,
-                               time_per_verify_round_s=round_s, measured_accept_length=measured,
-                               needed_accept_length=needed, predicted_speedup=measured / needed,
-                               speedup=lv.output_tok_s / ref))
-    return BreakEvenReport(tuple(items))
+    # llama.cpp reports draft counters only for requests that drafted: a speculative level where none
+    # did is an error (the server did not speculate) unless False, for a server whose speculation was
+    # verified otherwise (/slots) and whose drafter may propose nothing (n-gram lookup on text without repeats).
+    expect_drafts: bool = True
 
 
 # ---------------------------------------------------------------- requests
@@ -338,12 +110,21 @@ def _is_messages(prompt: Prompt) -> bool:
 def _request(cfg: ServerConfig, prompt: Prompt, max_new_tokens: int, temperature: float, ignore_eos: bool,
              render: Callable[[Sequence[Message]], str] | None) -> tuple[str, dict]:
     """The path and JSON body of one streaming request for this config's API."""
+    if cfg.api in ("sglang", "llamacpp") and _is_messages(prompt):
+        if render is None:  # sending raw text instead would benchmark without the chat template
+            path = "SGLang /generate" if cfg.api == "sglang" else "llama.cpp /completion"
+            raise ValueError(f"config {cfg.label!r} uses {path}, which takes rendered text or token ids: pass "
+                             "render= (the serving chat template) or rendered prompts")
+        prompt = render(prompt)
+    if cfg.api == "llamacpp":
+        # Token ids are used verbatim (no BOS added); cache_prompt off: no config or level reads another's cache.
+        body = {"prompt": prompt if isinstance(prompt, str) else [int(t) for t in prompt], "n_predict": max_new_tokens,
+                "temperature": temperature, "stream": True, "return_tokens": True, "cache_prompt": False,
+                "repeat_penalty": 1.0}  # llama.cpp applies 1.1 unless told: greedy would not be the target's
+        if ignore_eos:
+            body["ignore_eos"] = True
+        return "/completion", {**body, **cfg.extra_body}
     if cfg.api == "sglang":
-        if _is_messages(prompt):
-            if render is None:  # sending raw text instead would benchmark without the chat template
-                raise ValueError(f"config {cfg.label!r} uses SGLang /generate, which takes rendered text: pass "
-                                 "render= (the serving chat template) or rendered prompts")
-            prompt = render(prompt)
         source = {"text": prompt} if isinstance(prompt, str) else {"input_ids": [int(t) for t in prompt]}
         sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "ignore_eos": ignore_eos}
         sampling.update(cfg.extra_body.get("sampling_params", {}))
@@ -361,6 +142,51 @@ def _request(cfg: ServerConfig, prompt: Prompt, max_new_tokens: int, temperature
     return "/v1/completions", {**body, "prompt": prompt if isinstance(prompt, str) else list(prompt), **cfg.extra_body}
 
 
+def llamacpp_completion(events: Sequence[Mapping[str, Any]], cfg: ServerConfig, where: str = "") -> dict[str, Any]:
+    """What one streamed llama-server `/completion` request generated, from its events (in order).
+
+    Every partial event carries one generated id in `tokens` (`return_tokens`; llama.cpp sends no
+    event for a token that ends inside a UTF-8 character, so `output_ids` can be shorter than
+    `completion_tokens`); the final event (`stop: true`) carries `stop_type` and `timings`.
+    Returns completion_tokens, spec_verify_ct, draft_n, draft_n_accepted, finish_reason, output_ids.
+
+    - completion_tokens = `timings.predicted_n`: every generated token, the one sampled from the
+      prefill's logits and an end-of-generation token included, as our offline evaluator counts.
+    - spec_verify_ct = predicted_n - 1 - draft_n_accepted: the target forwards after the prefill,
+      the offline evaluator's verify_rounds (so acceptance = completion_tokens / spec_verify_ct is
+      the same quantity offline and online). Each forward after the prefill commits its accepted
+      drafts plus one token of the target's own, so predicted_n - 1 = forwards + accepted. It counts
+      forwards that had no draft (n-gram found no match; the last token before n_predict), which
+      the server's log line "mean len = 1 + accepted / verification steps" leaves out: that is a
+      different number. Where generation ends on an end-of-generation token accepted inside a draft,
+      llama.cpp counts the accepted drafts after it too, so the count can be a little low there.
+    - draft_n, draft_n_accepted: llama.cpp puts them in `timings` only when the request drafted;
+      for a speculative config their absence is 0 (the level decides whether the server speculated
+      at all), for a baseline their presence raises BaselineSpeculates.
+    """
+    final = None
+    ids: list[int] = []
+    for event in events:
+        if event.get("stop"):
+            final = event
+        ids += [int(t) for t in event.get("tokens") or []]
+    timings = (final or {}).get("timings") or {}
+    if final is None or "predicted_n" not in timings:
+        raise BenchmarkError(f"{where}: the stream ended before the request finished (no final event with timings)")
+    drafted, accepted = timings.get("draft_n"), timings.get("draft_n_accepted")
+    if not cfg.speculative and drafted is not None:
+        raise BaselineSpeculates(
+            f"{where}: config {cfg.label!r} is declared the baseline (no speculation) but its response carries "
+            f"timings.draft_n={drafted}: llama-server speculates, so no speedup against it means anything")
+    predicted = int(timings["predicted_n"])
+    verify = None
+    if cfg.speculative:
+        drafted, accepted = int(drafted or 0), int(accepted or 0)
+        verify = max(predicted - 1 - accepted, 0)
+    return {"completion_tokens": predicted, "spec_verify_ct": verify, "draft_n": drafted, "draft_n_accepted": accepted,
+            "finish_reason": final.get("stop_type"), "output_ids": tuple(ids)}
+
+
 async def _measure(client: httpx.AsyncClient, cfg: ServerConfig, url: str, headers: dict, path: str, body: dict,
                    concurrency: int, index: int) -> RequestMetrics:
     """Send one streaming request and time it; tokens come from the server's own counts where it gives them."""
@@ -370,6 +196,7 @@ async def _measure(client: httpx.AsyncClient, cfg: ServerConfig, url: str, heade
     usage_tokens = None
     finish: str | None = None
     meta: dict = {}
+    events: list[dict] = []  # llama.cpp /completion: kept for llamacpp_completion
     start = time.perf_counter()
     try:
         async with client.stream("POST", url + path, json=body, headers=headers) as r:
@@ -391,6 +218,9 @@ async def _measure(client: httpx.AsyncClient, cfg: ServerConfig, url: str, heade
                 if path == "/generate":
                     meta = event.get("meta_info") or {}
                     got = bool(event.get("text") or event.get("output_ids") or meta.get("completion_tokens"))
+                elif path == "/completion":
+                    events.append(event)
+                    got = bool(event.get("tokens"))
                 else:
                     if event.get("usage"):
                         usage_tokens = event["usage"].get("completion_tokens")
@@ -407,6 +237,11 @@ async def _measure(client: httpx.AsyncClient, cfg: ServerConfig, url: str, heade
         raise BenchmarkError(f"{where}: {type(e).__name__}: {e}") from None
     latency = time.perf_counter() - start
 
+    if path == "/completion":
+        done = llamacpp_completion(events, cfg, where)
+        return RequestMetrics(cfg.label, concurrency, index, done["completion_tokens"], ttft, latency,
+                              done["spec_verify_ct"], None, done["finish_reason"], "timings", done["draft_n"],
+                              done["draft_n_accepted"], done["output_ids"])
     if path != "/generate":
         if finish is None:  # a cut stream would count as a fast short answer
             raise BenchmarkError(f"{where}: the stream ended without a finish_reason")
@@ -459,7 +294,13 @@ async def _run_level(client: httpx.AsyncClient, cfg: ServerConfig, url: str, hea
         raise
     wall = time.perf_counter() - start
     level = LevelResult(cfg.label, cfg.speculative, concurrency, wall, tuple(sorted(done, key=lambda r: r.prompt_index)))
-    if cfg.speculative and level.completion_tokens and not level.spec_verify_ct:
+    if cfg.speculative and cfg.api == "llamacpp":
+        if cfg.expect_drafts and not level.draft_n:
+            raise SpecMetricsMissing(
+                f"config {cfg.label!r} ({url}) at concurrency {concurrency} is declared speculative but no response "
+                "carries timings.draft_n: llama-server did not draft a single token (it serves without "
+                "speculation when it cannot set it up: check /slots and its log); no acceptance length can be measured")
+    elif cfg.speculative and level.completion_tokens and not level.spec_verify_ct:
         raise SpecMetricsMissing(f"config {cfg.label!r} at concurrency {concurrency}: spec_verify_ct is 0 on every "
                                  "request: the server did not speculate")
     return level
@@ -472,8 +313,9 @@ async def run_online_benchmark(endpoint_url: str | None, prompts: Sequence[Promp
                                requests_per_level: int | None = None, timeout_s: float = 600.0) -> OnlineBenchResult:
     """Measure each config at each concurrency level on the same prompts, config after config.
 
-    Prompts are rendered chat prompts (text), token ids, or message lists; SGLang /generate needs
-    text or ids (pass `render`, the serving chat template, for message lists), the OpenAI API takes
+    Prompts are rendered chat prompts (text), token ids, or message lists; SGLang /generate and
+    llama.cpp /completion need text or ids (pass `render`, the serving chat template, for message
+    lists; ids are what a lossless comparison wants), the OpenAI API takes
     message lists on /v1/chat/completions and text on /v1/completions. Compare configs only on the
     same template. Every level sends `requests_per_level` requests (default: each prompt once,
     cycling through the prompts when more), greedy by default. `warmup` unmeasured requests go to each
@@ -486,21 +328,25 @@ async def run_online_benchmark(endpoint_url: str | None, prompts: Sequence[Promp
     if len({c.label for c in configs}) != len(configs):
         raise ValueError("config labels must be unique")
     for cfg in configs:
-        if cfg.speculative and cfg.api != "sglang":
+        if cfg.speculative and cfg.api not in SPECULATIVE_APIS:
             raise ValueError(f"config {cfg.label!r} is speculative but uses the OpenAI API, which carries no "
-                             "spec_verify_ct: use api='sglang' (/generate)")
+                             "spec_verify_ct: use api='sglang' (/generate) or 'llamacpp' (llama-server /completion)")
         if not (cfg.url or endpoint_url):
             raise ValueError(f"config {cfg.label!r} has no url and no endpoint_url was given")
     n = requests_per_level or len(prompts)
     levels: list[LevelResult] = []
     timeout = httpx.Timeout(timeout_s, connect=10.0)
-    limits = httpx.Limits(max_connections=max(concurrency_levels), max_keepalive_connections=max(concurrency_levels))
     for cfg in configs:
         url = (cfg.url or endpoint_url or "").rstrip("/")
         headers = _headers(cfg, url)
         # Built before any request: a prompt the API cannot take fails the run, not its middle.
         requests = [(i % len(prompts), *_request(cfg, prompts[i % len(prompts)], max_new_tokens, temperature,
                                                  ignore_eos, render)) for i in range(n)]
+        # llama-server sometimes closes a kept-alive connection right after a streamed response, and the
+        # next request on it fails (RemoteProtocolError, 2 of 12 back-to-back requests here): a fresh
+        # connection per request (well under a millisecond on loopback) instead.
+        keepalive = 0 if cfg.api == "llamacpp" else max(concurrency_levels)
+        limits = httpx.Limits(max_connections=max(concurrency_levels), max_keepalive_connections=keepalive)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             for index, path, body in requests[:warmup]:
                 await _measure(client, cfg, url, headers, path, body, 1, index)
@@ -584,25 +430,3 @@ def plot_throughput(result: OnlineBenchResult, path: str | Path, *, baseline: st
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", dpi=110)
     return path
-
-
-# ---------------------------------------------------------------- helpers
-
-
-def _quantile(values: Sequence[float], q: float) -> float | None:
-    """Linear interpolation between order statistics (numpy's default); None for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000, 2)
-
-
-def _round(x: float | None, digits: int = 3) -> float | None:
-    return None if x is None else round(x, digits)

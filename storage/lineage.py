@@ -576,6 +576,16 @@ class LineageStore(DuckDBFile, LineageReports):
             row = res.fetchone()
         return dict(zip(cols, row)) if row else None
 
+    def checkpoint_export(self, run_name: str, step: int, fmt: str) -> dict | None:
+        """The latest registered export in format `fmt` of training run `run_name` at `step` (None if none)."""
+        if not self.path.exists():
+            return None
+        with self.read() as con:
+            res = con.execute("SELECT * FROM checkpoints WHERE run_name = ? AND step = ? AND format = ? "
+                              "ORDER BY created_at DESC LIMIT 1", [run_name, step, fmt])
+            cols = [d[0] for d in res.description]
+            row = res.fetchone()
+        return dict(zip(cols, row)) if row else None
 
     def write_benchmark_results(self, run_id: str, rows: list[dict]) -> None:
         """One benchmark's rows (per config, drafter, domain), in one transaction."""

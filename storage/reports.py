@@ -7,6 +7,7 @@ A mixin of `storage.lineage.LineageStore` (it uses the store's `read()`): the qu
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import duckdb
@@ -82,11 +83,17 @@ class LineageReports:
                                f"{'AND' if run_name else 'WHERE'} format = 'sglang' ORDER BY created_at DESC LIMIT 1",
                                [run_name] if run_name else []).fetchone()
             acceptance: dict[str, float] = {}
+            serving: list[dict] = []
             if ckpt is not None:
                 acceptance = dict(con.execute(
                     "SELECT drafter, acceptance_token_weighted FROM benchmark_results WHERE bench_id = "
                     "(SELECT bench_id FROM benchmark_results WHERE checkpoint = ? AND kind = 'offline' "
                     " ORDER BY created_at DESC LIMIT 1) AND domain = 'all' AND kind = 'offline'", [ckpt[0]]).fetchall())
+                # the llama-server rows of the latest serving benchmark: each row's details hold its summary row
+                serving = [json.loads(d) for (d,) in con.execute(
+                    "SELECT details FROM benchmark_results WHERE bench_id = "
+                    "(SELECT bench_id FROM benchmark_results WHERE checkpoint = ? AND kind = 'serving' "
+                    " ORDER BY created_at DESC LIMIT 1) AND kind = 'serving'", [ckpt[0]]).fetchall()]
         return {
             "records_in": sum(outcomes.values()), "record_outcomes": outcomes, "kept": outcomes.get("kept", 0),
             "generations": gens, "completion_tokens": completion, "failed_prompts": failed_prompts,
@@ -96,6 +103,7 @@ class LineageReports:
                 ("run_name", "step", "loss", "accuracy", "conditional_accuracy", "tokens"), metric)),
             "checkpoint": None if ckpt is None else {"checkpoint": ckpt[0], "path": ckpt[1]},
             "acceptance": acceptance,
+            "serving": serving,
         }
 
     def checkpoint_lineage(self, checkpoint: str) -> tuple[dict, list[str], list[tuple]]:

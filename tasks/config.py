@@ -324,7 +324,8 @@ class OnlineServerConfig(Strict):
     label: str
     url: str
     speculative: bool = Field(default=True, description="A speculative server must report spec_verify_ct.")
-    api: Literal["sglang", "openai"] = Field(default="sglang", description="sglang: /generate; openai: /v1/*.")
+    api: Literal["sglang", "openai", "llamacpp"] = Field(
+        default="sglang", description="sglang: /generate; llamacpp: llama-server /completion; openai: /v1/*.")
     num_draft_tokens: int | None = Field(default=None, ge=1, description="For the acceptance-rate diagnosis.")
 
 
@@ -337,6 +338,56 @@ class OnlineBenchConfig(Strict):
     max_new_tokens: int = Field(default=256, ge=1)
     probe_prompts: int = Field(default=20, ge=1)
     probe_threshold: float = Field(default=1.3, gt=0, description="Stop if a launch accepts less than this.")
+
+
+class ServingBenchConfig(Strict):
+    """The draft on a real speculative engine: llama.cpp's llama-server, started by the benchmark one server at a
+    time (the target alone, the EAGLE-3 draft at each K, llama.cpp's n-gram drafting), on the offline benchmark's
+    prompts (same sets, same count, token ids rendered with the serving template), greedy."""
+
+    engine: Literal["llamacpp"] = "llamacpp"
+    target_gguf: str | None = Field(default=None, description=(
+        "The target as llama-server serves it; default: the benchmark target's `gguf` (the embedded SmolLM2 GGUF "
+        "when the target names none). Required when the target is a `model_path`."))
+    draft_gguf: str | None = Field(default=None, description=(
+        "The draft as a GGUF; default: the gguf export registered in lineage for the benchmarked checkpoint "
+        "(same training run and step)."))
+    draft_tokens: list[int] | None = Field(default=None, description=(
+        "Draft lengths K of the EAGLE-3 sweep (--spec-draft-n-max); default 1, 2, 3 and the offline "
+        "draft_tokens (the K whose acceptance is compared with the offline evaluator's)."))
+    ngram: Literal["ngram-simple", "ngram-mod"] | None = Field(default="ngram-simple", description=(
+        "llama.cpp's own n-gram drafting, measured alongside; null: none. ngram-mod keeps what it saw across "
+        "requests (it learns the prompts from the warm-up and earlier levels); ngram-simple reads one request."))
+    ngram_tokens: int = Field(default=3, ge=1, le=64, description="Draft length K of the n-gram config.")
+    parallel: int = Field(default=2, ge=1, le=256, description="Slots of each server (continuous batching).")
+    n_threads: int | None = Field(default=None, ge=1, description="llama-server threads; default: its own choice.")
+    n_ctx: int = Field(default=2048, ge=256, description="Context per slot: the longest prompt plus max_new_tokens.")
+    max_new_tokens: int | None = Field(default=None, ge=2, description=(
+        "Tokens per request; default: the benchmark's max_new_tokens (so online and offline acceptance compare)."))
+    concurrency: list[int] | None = Field(default=None, description=(
+        "Requests in flight per level; default [1, parallel]. 1 is required: the lossless check runs there."))
+    warmup: int = Field(default=1, ge=0, description="Unmeasured requests to each server first.")
+    recheck_baseline: bool = Field(default=True, description=(
+        "Measure the baseline again at concurrency 1 after the other servers: the verdict warns when the machine's "
+        "speed changed in between (every speedup would be skewed)."))
+
+    @model_validator(mode="after")
+    def _levels(self) -> "ServingBenchConfig":
+        if self.draft_tokens is not None:
+            if any(not 1 <= k <= 16 for k in self.draft_tokens) or len(set(self.draft_tokens)) != len(self.draft_tokens):
+                raise ValueError(f"draft_tokens must be distinct values in 1..16, got {self.draft_tokens}")
+        if self.concurrency is not None:
+            if not self.concurrency or any(c < 1 for c in self.concurrency) or 1 not in self.concurrency:
+                raise ValueError(f"concurrency must be levels >= 1 including 1 (the lossless check), got "
+                                 f"{self.concurrency}")
+        return self
+
+    def sweep(self, offline_k: int) -> list[int]:
+        """The K sweep: as given, else 1, 2, 3 and the offline k."""
+        return list(self.draft_tokens) if self.draft_tokens is not None else sorted({1, 2, 3, offline_k})
+
+    def levels(self) -> list[int]:
+        return list(self.concurrency) if self.concurrency is not None else list(dict.fromkeys([1, self.parallel]))
 
 
 class BenchConfig(Strict):
@@ -353,6 +404,8 @@ class BenchConfig(Strict):
     eval_sets: list[EvalSetConfigRef] = Field(default_factory=list)
     baselines: bool = Field(default=True, description="Prompt lookup and the final-state-only draft in the same table.")
     online: OnlineBenchConfig | None = None
+    serving: ServingBenchConfig | None = Field(default=None, description=(
+        "Start llama-server here and measure the draft on it (tok/s, TTFT, acceptance, lossless, break-even)."))
 
 
 STAGES = ("discover", "regenerate", "extract", "train", "benchmark")
