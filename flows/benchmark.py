@@ -85,8 +85,16 @@ def _benchmark(config: BenchConfig, store: LineageStore, run_id: str, logger) ->
                              + "\n".join(report.failure_lines()))
     summary.doctor = report.summary_line()
     logger.info(summary.doctor)
-    # Before any measuring: a serving benchmark without its GGUFs fails now, not after the offline numbers.
+    # Before any measuring: a serving benchmark without its GGUFs fails now, not after the offline numbers;
+    # and the GGUF llama-server will load passes llama.cpp's contract (layer ids as layer inputs, d2t ...).
     ggufs = _serving_ggufs(config, store, row) if config.serving is not None else None
+    if ggufs is not None:
+        gguf_report = run_doctor(ggufs[1], model.config.to_dict(), engine="llamacpp", expected_aux_layer_ids=expected)
+        if not gguf_report.passed:
+            raise ContractFailed(f"{ggufs[1]} fails llama.cpp's serving contract; not benchmarked:\n"
+                                 + "\n".join(gguf_report.failure_lines()))
+        summary.doctor += "; " + gguf_report.summary_line()
+        logger.info(gguf_report.summary_line())
 
     draft = load_sglang(draft_dir, embed_tokens=model.get_input_embeddings().weight.detach(),
                         expected_aux_layer_ids=expected).to(model.device).eval()
