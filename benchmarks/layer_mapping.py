@@ -6,7 +6,13 @@ was trained on: acceptance must drop, and the doctor must name it.
 
 Also runs the doctor (engine llamacpp) on both GGUFs, when the doctor has that engine.
 
+A draft that barely uses the target's states (the demo's, trained on 24 conversations) cannot show
+it: both mappings accept the same few tokens. `--training-prompts WORKSPACE` serves instead the
+exact prompt ids of that workspace's generations (what the draft was trained on), where a draft
+trained to fit them relies on the states it was trained with.
+
 Run: .venv/bin/python benchmarks/layer_mapping.py SGLANG_EXPORT_DIR [--prompts 12] [--max-tokens 64] [-k 3]
+       [--training-prompts WORKSPACE]
      (SGLANG_EXPORT_DIR: a trained export, e.g. runs/demo/checkpoints/demo-draft/export/sglang-step-N)
 """
 
@@ -46,6 +52,19 @@ def shifted_copy(export: Path, out: Path, shift: int) -> Path:
     return out
 
 
+def training_prompts(workspace: Path, n: int) -> list[list[int]]:
+    """The prompt ids the embedded server was sent for each generation's last turn (token-exact regenerate)."""
+    import pyarrow.parquet as pq
+
+    out = []
+    for file in sorted((workspace / "data" / "generations").glob("*/*.parquet")):
+        for row in pq.read_table(file, columns=["turns"]).to_pylist():
+            ids = (row["turns"] or [{}])[-1].get("prompt_token_ids")
+            if ids:
+                out.append(list(ids))
+    return out[:n]
+
+
 def serve_and_measure(draft: Path, prompts: list[list[int]], k: int, max_tokens: int, threads: int) -> dict:
     speculation = Speculation("draft-eagle3", draft_gguf=draft, n_max=k)
     tokens = accepted = drafted = 0
@@ -72,14 +91,20 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("-k", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--training-prompts", type=Path, help="serve this workspace's generation prompts (ids as sent)")
     args = ap.parse_args()
 
     started = time.monotonic()
     load_before = load()
-    _, tokenizer = load_target()
-    bench = prompts_for_benchmark(tokenizer, gguf_chat_template(smollm2_gguf_path()), benchmark_sets(True),
-                                  args.prompts)
-    prompts = [p.input_ids for p in bench]
+    if args.training_prompts:
+        prompts = training_prompts(args.training_prompts, args.prompts)
+        where = f"training prompts of {args.training_prompts}"
+    else:
+        _, tokenizer = load_target()
+        bench = prompts_for_benchmark(tokenizer, gguf_chat_template(smollm2_gguf_path()), benchmark_sets(True),
+                                      args.prompts)
+        prompts = [p.input_ids for p in bench]
+        where = "HumanEval prompts"
     target_dir = target_folder_for()
     work = Path(tempfile.mkdtemp(prefix="layer-mapping-"))
     variants = {"right (ours + 1)": export_gguf(args.export, target_dir, work / "right.gguf"),
@@ -104,7 +129,7 @@ def main() -> None:
         rows.append([name, str(read_gguf_draft(variants[name]).target_layers), r["tokens"], r["rounds"],
                      f"{r['accepted']}/{r['drafted']}", f"{r['acceptance']:.3f}",
                      f"{r['acceptance'] / right['acceptance']:.2f}x", f"{same}/{len(prompts)}", doctor.get(name, "")])
-    table(f"Layer mapping in llama-server: {args.export.name}, {len(prompts)} HumanEval prompts, greedy, k={args.k}, "
+    table(f"Layer mapping in llama-server: {args.export.name}, {len(prompts)} {where}, greedy, k={args.k}, "
           f"{args.max_tokens} new tokens (load {load_before} -> {load()}; {time.monotonic() - started:.0f} s)",
           ["GGUF ids", "target_layers", "tokens", "target forwards", "accepted/drafted", "acceptance", "vs right",
            "same output as right", "doctor"], rows)
