@@ -110,11 +110,12 @@ def _field_value(f: Any) -> Any:
     return value.tolist() if isinstance(value, np.ndarray) else value
 
 
-def _reader(path: Path) -> Any:
+def gguf_reader(path: Path, mode: str = "r") -> Any:
     """pip `gguf`'s GGUFReader (generic: any architecture's keys), on a plain ndarray view of its memory map.
 
     The reader slices its `data` once per value; on an np.memmap every slice pays the subclass's
-    bookkeeping, 2.5x the parse time of a 49K-token vocab. The view keeps the map alive.
+    bookkeeping, 2.5x the parse time of a 49K-token vocab. The view keeps the map alive; `mode="r+"`
+    maps the file writable (values edited in place; `reader.memmap.flush()` writes them).
     """
     from gguf import GGUFReader
 
@@ -125,15 +126,15 @@ def _reader(path: Path) -> Any:
 
         @data.setter
         def data(self, value: np.ndarray) -> None:
-            self._plain = value.view(np.ndarray)
+            self.memmap, self._plain = value, value.view(np.ndarray)
 
-    return Reader(path)
+    return Reader(path, mode)
 
 
 def read_gguf_draft(path: str | Path) -> GGUFDraftInfo:
     """The metadata, tensor table and d2t of a draft GGUF (memory-mapped; reads no weight but d2t)."""
     path = Path(path)
-    reader = _reader(path)
+    reader = gguf_reader(path)
     fields = reader.fields
     metadata = {k: _field_value(f) for k, f in fields.items() if k not in _BIG_ARRAYS and not k.startswith("GGUF.")}
     arch = metadata.get("general.architecture")

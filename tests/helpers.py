@@ -77,3 +77,26 @@ def extract_config(workspace: Path, target: Path | None, **kw) -> ExtractConfig:
     return ExtractConfig.model_validate({**base, **kw})
 
 
+
+
+def random_smollm2_export(target: Path, folder: Path, aux: tuple[int, int, int], seed: int = 0, n_draft: int = 256,
+                          **export_kwargs) -> Path:
+    """A random EAGLE-3 draft for SmolLM2 (small FFN, norms near 1) with a random `n_draft`-token vocab,
+    exported for SGLang (bf16); `target` is the target's HF folder (its config.json)."""
+    import torch
+
+    from tasks.draft_model import DraftConfig, Eagle3Draft
+    from tasks.export import export_sglang
+
+    config = json.loads((target / "config.json").read_text())
+    vocab = int(config["vocab_size"])
+    draft = Eagle3Draft(DraftConfig.from_target_config(config, n_draft, aux, intermediate_size=256))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.05)
+    ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:n_draft].sort().values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    draft.set_vocab(ids - torch.arange(n_draft), t2d)
+    return export_sglang(draft, folder, **export_kwargs)

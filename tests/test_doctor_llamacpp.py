@@ -18,12 +18,10 @@ from typer.testing import CliRunner
 
 from serving.doctor import run_doctor
 from serving.launch import engine_arguments
-from tasks.draft_model import DraftConfig, Eagle3Draft
-from tasks.export import export_sglang
-from tasks.export_gguf import export_gguf, read_gguf_draft, target_folder_for
+from tasks.export_gguf import export_gguf, gguf_reader, read_gguf_draft, target_folder_for
 from tasks.target import smollm2_gguf_path
 
-from helpers import TARGET_CACHE
+from helpers import TARGET_CACHE, random_smollm2_export
 
 N_DRAFT, LAYERS, HIDDEN, VOCAB = 256, 30, 576, 49152  # SmolLM2-135M
 AUX = (3, 10, 20)  # trained layers (output of layer i); not the converter's default [1, 14, 26]
@@ -37,18 +35,7 @@ def target() -> Path:
 
 
 def _export(target: Path, folder: Path, aux=AUX, seed: int = 0) -> Path:
-    """A random draft for SmolLM2 (small FFN, norms away from 1) with a random 256-token vocab, as SGLang's export."""
-    config = json.loads((target / "config.json").read_text())
-    draft = Eagle3Draft(DraftConfig.from_target_config(config, N_DRAFT, aux, intermediate_size=256))
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.05)
-    ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:N_DRAFT].sort().values
-    t2d = torch.zeros(VOCAB, dtype=torch.bool)
-    t2d[ids] = True
-    draft.set_vocab(ids - torch.arange(N_DRAFT), t2d)
-    return export_sglang(draft, folder, sglang_version="before-pr25454")  # eagle_config ids [3, 10, 20]
+    return random_smollm2_export(target, folder, aux, seed, N_DRAFT, sglang_version="before-pr25454")  # ids [3, 10, 20]
 
 
 @pytest.fixture(scope="module")
@@ -87,19 +74,8 @@ def gguf(built, tmp_path) -> Path:
 
 
 def _open_rw(path: Path):
-    """pip gguf's reader on the file's writable memory map, with tasks.export_gguf's plain-array view (2.5x faster)."""
-    from gguf import GGUFReader
-
-    class Reader(GGUFReader):
-        @property
-        def data(self) -> np.ndarray:
-            return self._plain
-
-        @data.setter
-        def data(self, value: np.ndarray) -> None:
-            self._map, self._plain = value, value.view(np.ndarray)
-
-    return Reader(path, "r+")
+    """The GGUF reader tasks.export_gguf uses, on a writable memory map."""
+    return gguf_reader(path, "r+")
 
 
 def _patch(path: Path, key: str, values) -> Path:
@@ -108,14 +84,14 @@ def _patch(path: Path, key: str, values) -> Path:
     field = reader.fields[key]
     for i, v in zip(field.data, values if isinstance(values, (list, tuple)) else [values], strict=True):
         field.parts[i][0] = v
-    reader._map.flush()
+    reader.memmap.flush()
     return path
 
 
 def _patch_d2t(path: Path, edit) -> Path:
     reader = _open_rw(path)
     edit(next(t for t in reader.tensors if t.name == "d2t").data)
-    reader._map.flush()
+    reader.memmap.flush()
     return path
 
 

@@ -18,12 +18,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tasks.draft_model import DraftConfig, Eagle3Draft
-from tasks.export import export_sglang
 from tasks.export_gguf import (GGUF_ARCHITECTURE, REQUIRED_TENSORS, GGUFExportError, export_gguf, gguf_draft_problems,
                                llamacpp_capture_layers, llamacpp_layer_ids, read_gguf_draft, target_folder_for)
 
-from helpers import TARGET_CACHE
+from helpers import TARGET_CACHE, random_smollm2_export
 
 N_DRAFT, LAYERS, HIDDEN, VOCAB = 256, 30, 576, 49152  # SmolLM2-135M: 30 layers, hidden 576
 
@@ -38,18 +36,7 @@ def target() -> Path:
 
 
 def _sglang_export(target: Path, folder: Path, aux: tuple[int, int, int], seed: int = 0, **kwargs) -> Path:
-    """A random draft for SmolLM2 (small FFN) with a random 256-token vocab, exported for SGLang (bf16)."""
-    config = json.loads((target / "config.json").read_text())
-    draft = Eagle3Draft(DraftConfig.from_target_config(config, N_DRAFT, aux, intermediate_size=256))
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.05)
-    ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:N_DRAFT].sort().values
-    t2d = torch.zeros(VOCAB, dtype=torch.bool)
-    t2d[ids] = True
-    draft.set_vocab(ids - torch.arange(N_DRAFT), t2d)
-    return export_sglang(draft, folder, **kwargs)
+    return random_smollm2_export(target, folder, aux, seed, N_DRAFT, **kwargs)
 
 
 @pytest.fixture(scope="module")

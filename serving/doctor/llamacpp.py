@@ -255,9 +255,9 @@ def find_gguf(draft: Path) -> tuple[Path | None, str | None]:
 
 def _gguf_norm(path: Path) -> np.ndarray | None:
     """output_norm.weight of a GGUF as float32 (the converter keeps norms F32); None if absent or not F32."""
-    from tasks.export_gguf import _reader  # the package's fast reader view; one tensor, no other weight read
+    from tasks.export_gguf import gguf_reader  # the fast reader view; one tensor, no other weight read
 
-    t = next((t for t in _reader(path).tensors if t.name == "output_norm.weight"), None)
+    t = next((t for t in gguf_reader(path).tensors if t.name == "output_norm.weight"), None)
     return None if t is None or t.tensor_type.name != "F32" else np.array(t.data, dtype=np.float32).reshape(-1)
 
 
