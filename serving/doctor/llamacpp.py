@@ -491,11 +491,19 @@ def _target_check(args: list[str], target: TargetInfo) -> Check:
                             "EAGLE-3 (the server asserts 'layer input tensor is null'); llama.cpp's EAGLE-3 reads "
                             f"{', '.join(sorted(LAYER_INPUT_ARCHS))}")
     provenance = None if target.folder is None else target.folder / "eagle3_target.json"  # tasks.target.PROVENANCE_FILE
-    source = json.loads(provenance.read_text()).get("gguf") if provenance is not None and provenance.is_file() else None
-    if source and Path(source).expanduser().resolve() == path.resolve():
+    record = json.loads(provenance.read_text()) if provenance is not None and provenance.is_file() else {}
+    source, digest = record.get("gguf"), record.get("sha256")
+    # The same file, or the same bytes elsewhere (another checkout's copy of the package): by content.
+    if (source and Path(source).expanduser().resolve() == path.resolve()) or (digest and _sha256(path) == digest):
         return check(True, f"-m is the GGUF the target folder was converted from ({arch}, {layers} layers)")
     return check(True, f"-m {value} has the target's shape ({arch}, {layers} layers, hidden {hidden}, vocab {vocab}); "
                        "the weights are not compared: make sure it is the same model", warning=True)
+
+
+def _sha256(path: Path) -> str:
+    from tasks.target import gguf_sha256  # cached by size and mtime: a target GGUF is hashed once
+
+    return gguf_sha256(path)
 
 
 def _draft_check(args: list[str], draft: Path, target: TargetInfo) -> Check:
