@@ -41,7 +41,7 @@ $(STAMP): pyproject.toml serving/llama_build.py
 	    --no-binary llama-cpp-python 'llama-cpp-python==$(LLAMA_CPP_VERSION)' && \
 	  echo "$(LLAMA_BUILD_ID)" > $(LLAMA_BUILD_STAMP); fi
 	@command -v cmake >/dev/null 2>&1 || $(PY) -m pip install -q 'cmake>=3.24'
-	@echo "llama-server from the same llama.cpp source, portable; built once per source hash and flags (~$(HOME)/.cache/eagle3)"
+	@echo "llama-server from the same llama.cpp source, portable; built once per source hash and flags ($(HOME)/.cache/eagle3)"
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) serving/llama_build.py install llama-server $(VENV)/bin
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(VENV)/bin/eagle3 check-install
