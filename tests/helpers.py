@@ -100,3 +100,18 @@ def random_smollm2_export(target: Path, folder: Path, aux: tuple[int, int, int],
     t2d[ids] = True
     draft.set_vocab(ids - torch.arange(n_draft), t2d)
     return export_sglang(draft, folder, **export_kwargs)
+
+
+def edit_export(folder: Path, config=None, tensors=None) -> Path:
+    """Break an exported folder in place: `config(dict)` / `tensors(dict)` edit what its files hold."""
+    from safetensors.torch import load_file, save_file
+
+    if config is not None:
+        cfg = json.loads((folder / "config.json").read_text())
+        config(cfg)
+        (folder / "config.json").write_text(json.dumps(cfg))
+    if tensors is not None:
+        t = load_file(str(folder / "model.safetensors"))
+        tensors(t)
+        save_file(t, str(folder / "model.safetensors"))
+    return folder

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from serving.doctor import expected_aux_layer_ids_from_lineage, run_doctor
@@ -26,6 +25,8 @@ from tasks.export import (
     load_speculators,
 )
 from tasks.vocab import build_draft_vocab
+
+from helpers import edit_export
 
 H, LAYERS, V, N_DRAFT, AUX = 64, 8, 512, 128, (1, 3, 5)  # AUX is not the engines' default [1, 3, 4]
 
@@ -74,17 +75,7 @@ def vllm_folder(draft, tmp_path) -> Path:
     return export_speculators(draft, tmp_path / "spec", "tiny-target", dtype=torch.float32)
 
 
-def _edit(folder: Path, config=None, tensors=None) -> Path:
-    """Break an exported folder in place: `config(dict)` / `tensors(dict)` edit what the files hold."""
-    if config is not None:
-        cfg = json.loads((folder / "config.json").read_text())
-        config(cfg)
-        (folder / "config.json").write_text(json.dumps(cfg))
-    if tensors is not None:
-        t = load_file(str(folder / "model.safetensors"))
-        tensors(t)
-        save_file(t, str(folder / "model.safetensors"))
-    return folder
+_edit = edit_export  # one helper for every test that breaks an export
 
 
 def _failed(report) -> set[str]:

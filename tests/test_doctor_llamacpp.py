@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from serving.doctor import run_doctor
@@ -21,7 +20,7 @@ from serving.launch import engine_arguments
 from tasks.export_gguf import export_gguf, gguf_reader, read_gguf_draft, target_folder_for
 from tasks.target import smollm2_gguf_path
 
-from helpers import TARGET_CACHE, random_smollm2_export
+from helpers import TARGET_CACHE, random_smollm2_export, edit_export
 
 N_DRAFT, LAYERS, HIDDEN, VOCAB = 256, 30, 576, 49152  # SmolLM2-135M
 AUX = (3, 10, 20)  # trained layers (output of layer i); not the converter's default [1, 14, 26]
@@ -47,16 +46,7 @@ def built(target, tmp_path_factory) -> Path:
     return root
 
 
-def _edit(folder: Path, config=None, tensors=None) -> Path:
-    if config is not None:
-        cfg = json.loads((folder / "config.json").read_text())
-        config(cfg)
-        (folder / "config.json").write_text(json.dumps(cfg))
-    if tensors is not None:
-        t = load_file(str(folder / "model.safetensors"))
-        tensors(t)
-        save_file(t, str(folder / "model.safetensors"))
-    return folder
+_edit = edit_export  # one helper for every test that breaks an export
 
 
 @pytest.fixture

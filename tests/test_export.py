@@ -17,6 +17,8 @@ from tasks.export import (CheckpointError, check_sglang, export_sglang, export_s
                           load_speculators, sglang_capture_layers, sglang_layer_ids, sglang_load_report,
                           vllm_capture_layers, vllm_layer_ids)
 
+from helpers import edit_export
+
 V, H, N_DRAFT, LAYERS, AUX = 512, 64, 128, 30, (1, 14, 26)
 VERIFIER = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -58,17 +60,7 @@ def sglang_folder(draft, tmp_path) -> Path:
     return export_sglang(draft, tmp_path / "sglang", dtype=torch.float32)
 
 
-def _edit(folder: Path, config=None, tensors=None) -> Path:
-    """Rewrite an exported folder: config(dict) and tensors(dict) are edited in place by the callables."""
-    if config is not None:
-        cfg = json.loads((folder / "config.json").read_text())
-        config(cfg)
-        (folder / "config.json").write_text(json.dumps(cfg))
-    if tensors is not None:
-        t = load_file(str(folder / "model.safetensors"))
-        tensors(t)
-        save_file(t, str(folder / "model.safetensors"))
-    return folder
+_edit = edit_export  # one helper for every test that breaks an export
 
 
 def _refused(folder: Path, match: str, loader=load_sglang, **kwargs) -> CheckpointError:
