@@ -76,10 +76,18 @@ class Speculation:
             raise ValueError(f"n_max must be >= 1, got {self.n_max}")
 
     def args(self) -> list[str]:
+        """The flags. The n-gram types ignore `--spec-draft-n-max` and read their own draft length
+        (ngram-simple drafts 48 tokens and ngram-mod 48-64 unless told); ngram-simple drafts nothing
+        when its draft length is below its lookup length (12 by default; common/ngram-map.cpp:
+        `copy_max < n_draft_min`), so at K < 12 it looks up K tokens. ngram-mod: at most K, at least 1."""
         args = ["--spec-type", self.spec_type, "--spec-draft-n-max", str(self.n_max),
                 "--spec-draft-p-min", str(self.p_min)]
         if self.draft_gguf is not None:
             args = ["-md", str(self.draft_gguf)] + args
+        if self.spec_type == "ngram-simple":
+            args += ["--spec-ngram-simple-size-m", str(self.n_max), "--spec-ngram-simple-size-n", str(min(12, self.n_max))]
+        elif self.spec_type == "ngram-mod":
+            args += ["--spec-ngram-mod-n-max", str(self.n_max), "--spec-ngram-mod-n-min", "1"]
         return args
 
     @property

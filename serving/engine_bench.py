@@ -52,19 +52,6 @@ class EngineConfig:
         """Draft tokens per verify round at most (the chain depth)."""
         return None if self.speculation is None else self.speculation.n_max
 
-    def extra_args(self) -> list[str]:
-        """Flags beyond `Speculation.args()`: the n-gram types ignore `--spec-draft-n-max` and read their own
-        draft length (ngram-simple drafts 48 tokens and ngram-mod 48-64 unless told). ngram-simple drafts
-        nothing at all when its draft length is below its lookup length (12 by default; common/ngram-map.cpp:
-        `copy_max < n_draft_min`), so at K < 12 it looks up K tokens. ngram-mod: at most K, at least 1."""
-        spec = self.speculation
-        if spec is None or spec.spec_type == "draft-eagle3":
-            return []
-        k = spec.n_max
-        if spec.spec_type == "ngram-simple":
-            return ["--spec-ngram-simple-size-m", str(k), "--spec-ngram-simple-size-n", str(min(12, k))]
-        return ["--spec-ngram-mod-n-max", str(k), "--spec-ngram-mod-n-min", "1"]
-
 
 def engine_configs(draft_gguf: Path | None, draft_tokens: Sequence[int], ngram: NgramType | None = "ngram-simple",
                    ngram_k: int = 3) -> list[EngineConfig]:
@@ -318,7 +305,7 @@ def run_engine_benchmark(target_gguf: Path, prompts: Sequence[Sequence[int] | st
     def measure(ec: EngineConfig, at: tuple[int, ...], log_name: str) -> tuple[ConfigReport, OnlineBenchResult]:
         log = Path(log_dir) / f"llama-server-{log_name}.log" if log_dir is not None else None
         with LlamaCppServer(target_gguf, n_ctx=n_ctx, n_threads=n_threads, parallel=parallel,
-                            speculation=ec.speculation, log_path=log, extra_args=ec.extra_args()) as server:
+                            speculation=ec.speculation, log_path=log) as server:
             cfg = ServerConfig(ec.label, speculative=ec.speculation is not None, url=server.base_url, api="llamacpp",
                                num_draft_tokens=ec.k, expect_drafts=ec.drafter == "eagle3")
             res = asyncio.run(server.guard(run_online_benchmark(None, prompts, [cfg], at, max_new_tokens,

@@ -21,7 +21,7 @@ import pytest
 
 from serving.bench_results import LevelResult, RequestMetrics
 from serving.embedded import LlamaCppServer
-from serving.engine_bench import (EngineConfig, agreement, agreement_line, compare_outputs, engine_configs,
+from serving.engine_bench import (agreement, agreement_line, compare_outputs, engine_configs,
                                   plot_engine_benchmark, run_engine_benchmark, verdict_lines)
 from serving.online_bench import (BaselineSpeculates, BenchmarkError, ServerConfig, SpecMetricsMissing,
                                   llamacpp_completion, run_online_benchmark)
@@ -112,7 +112,7 @@ def test_greedy_ngram_output_is_the_baselines_token_for_token(ngram_bench):
 def test_a_declared_baseline_that_drafts_and_a_declared_drafter_that_does_not_are_errors(prompt_ids, tmp_path):
     # The same flags the benchmark gives its n-gram server (draft length 3, lookup 3).
     (ngram,) = [c for c in engine_configs(None, (), "ngram-simple", 3) if c.speculation is not None]
-    with LlamaCppServer(smollm2_gguf_path(), n_threads=1, speculation=ngram.speculation, extra_args=ngram.extra_args(),
+    with LlamaCppServer(smollm2_gguf_path(), n_threads=1, speculation=ngram.speculation,
                         log_path=tmp_path / "ngram.log") as server:
         cfg = ServerConfig("baseline", url=server.base_url, api="llamacpp")
         with pytest.raises(BaselineSpeculates, match=r"'baseline'.*timings.draft_n"):
@@ -175,9 +175,9 @@ def test_configs_verdict_and_agreement_from_rows():
     assert [(c.label, c.drafter, c.k) for c in configs] == [
         ("baseline", "baseline", None), ("eagle3-k1", "eagle3", 1), ("eagle3-k3", "eagle3", 3),
         ("ngram-mod-k4", "ngram-mod", 4)]
-    assert configs[1].extra_args() == [] and configs[3].extra_args() == [
-        "--spec-ngram-mod-n-max", "4", "--spec-ngram-mod-n-min", "1"]
-    assert EngineConfig("ngram-simple-k3", engine_configs(None, [], "ngram-simple", 3)[1].speculation).extra_args() \
+    assert not any(a.startswith("--spec-ngram") for a in configs[1].speculation.args())
+    assert configs[3].speculation.args()[-4:] == ["--spec-ngram-mod-n-max", "4", "--spec-ngram-mod-n-min", "1"]
+    assert engine_configs(None, [], "ngram-simple", 3)[1].speculation.args()[-4:] \
         == ["--spec-ngram-simple-size-m", "3", "--spec-ngram-simple-size-n", "3"]
     with pytest.raises(ValueError, match="needs the draft GGUF"):
         engine_configs(None, [1], None)
