@@ -151,6 +151,7 @@ class HFExtractor:
         self.t2d = t2d
         self.max_batch_tokens = max_batch_tokens
         self.pad_token_id = pad_token_id
+        self._head_rows: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None = None
 
     def batches(self, samples: list[Sample]) -> list[list[int]]:
         """Sample indices grouped so that batch size x longest length <= max_batch_tokens.
@@ -249,22 +250,56 @@ class HFExtractor:
                                     output_hidden_states=True, use_cache=False)
         return out.hidden_states
 
+    def _split_head(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """The target's lm_head as float32 rows of the draft ids, then of the other ids (with biases), built once.
+
+        Splitting the rows once makes the draft vocab's logits one contiguous matmul output: no
+        per-sample gather of a [T, draft_vocab] copy.
+        """
+        if self._head_rows is None:
+            head = self.model.get_output_embeddings()
+            weight = head.weight.detach().float()
+            bias = None if head.bias is None else head.bias.detach().float()
+            other_ids = torch.nonzero(~self.t2d.to(weight.device)).squeeze(1)
+            self.other_ids = other_ids
+            self._head_rows = (weight[self.draft_ids].contiguous(), None if bias is None else bias[self.draft_ids],
+                               weight[other_ids].contiguous(), None if bias is None else bias[other_ids])
+        return self._head_rows
+
     def _topk(self, final: torch.Tensor, rec: Extracted) -> str | None:
-        """Fill rec's top-k teacher from the post-norm state; a reason if the logits are not finite."""
-        head = self.model.get_output_embeddings()
-        logits = F.linear(final.float(), head.weight.float(),
-                          None if head.bias is None else head.bias.float())  # [T, V]
-        if c := _nonfinite(logits):
+        """Fill rec's top-k teacher from the post-norm state; a reason if the logits are not finite.
+
+        The same numbers as log_softmax over the draft ids of the full float32 logits, then top-k,
+        then the full-vocab argmax, computed without materialising either: logits of the draft ids
+        and of the others come from two matmuls; the normaliser is a log-sum-exp; the target's
+        argmax is a draft token when the best draft logit beats the best other one.
+        """
+        draft_w, draft_b, other_w, other_b = self._split_head()
+        state = final.float()
+        draft_logits = F.linear(state, draft_w, draft_b)  # [T, n_draft], ascending target ids
+        other_logits = F.linear(state, other_w, other_b)  # [T, V - n_draft]
+        if c := _nonfinite(draft_logits) + _nonfinite(other_logits):
             return f"{c} non-finite values in target logits"
         # Renormalised over the draft vocab: the loss is forward KL against the target's softmax
         # *restricted to* the draft vocab, i.e. p(v | v in draft); the trainer needs no extra mass term.
-        draft_logprobs = torch.log_softmax(logits[:, self.draft_ids], dim=-1)
-        values, pos = draft_logprobs.topk(self.settings.topk, dim=-1)
+        values, pos = draft_logits.topk(self.settings.topk, dim=-1)
+        rec.topk_logprobs = (values - torch.logsumexp(draft_logits, dim=-1, keepdim=True)).to(torch.float16).cpu()
         rec.topk_ids = self.draft_ids[pos].to(torch.int32).cpu()
-        rec.topk_logprobs = values.to(torch.float16).cpu()
         # Renormalising hides how much mass lay outside the draft vocab; the trainer masks positions
         # whose target argmax is outside it (CONTRACTS), so that bit is kept here.
-        rec.argmax_in_draft = self.t2d.to(logits.device)[logits.argmax(dim=-1)].cpu()
+        best_draft = values[:, 0]
+        if other_logits.shape[1] == 0:
+            rec.argmax_in_draft = torch.ones_like(best_draft, dtype=torch.bool).cpu()
+            return None
+        best_other, other_pos = other_logits.max(dim=-1)
+        in_draft = best_draft > best_other
+        # A tie goes to the lower target id, as argmax over the full vocab does.
+        tie = best_draft == best_other
+        if bool(tie.any()):
+            first_draft = torch.where(draft_logits[tie] == best_draft[tie, None], self.draft_ids,
+                                      self.vocab_size).amin(dim=-1)
+            in_draft[tie] = first_draft < self.other_ids[other_pos[tie]]
+        rec.argmax_in_draft = in_draft.cpu()
         return None
 
 

@@ -229,3 +229,51 @@ def test_smollm2_aux_final_topk_and_batching(smol):
         draft = torch.log_softmax(out.logits[0].float()[:, t2d], dim=-1)
         got = draft.gather(1, torch.searchsorted(torch.nonzero(t2d).squeeze(1), b.topk_ids.long()))
         torch.testing.assert_close(b.topk_logprobs.float(), got, atol=0.15, rtol=0.02)  # fp32 vs bf16 logits
+
+
+def _full_vocab_topk(model, final: torch.Tensor, t2d: torch.Tensor, k: int):
+    """The top-k teacher as first written: full float32 logits, log_softmax over the draft ids, full argmax."""
+    logits = torch.nn.functional.linear(final.float(), model.get_output_embeddings().weight.float())
+    draft_ids = torch.nonzero(t2d).squeeze(1)
+    values, pos = torch.log_softmax(logits[:, draft_ids], dim=-1).topk(k, dim=-1)
+    return draft_ids[pos], values, t2d[logits.argmax(dim=-1)]
+
+
+def test_topk_teacher_equals_the_full_vocab_computation(smol):
+    """Two matmuls and a log-sum-exp give the full-vocab numbers: same ids and argmax bits, logprobs to fp16."""
+    t2d = torch.zeros(smol.config.vocab_size, dtype=torch.bool)
+    t2d[torch.randperm(smol.config.vocab_size, generator=torch.Generator().manual_seed(8))[:8192]] = True
+    samples = _samples(3, smol.config.vocab_size, 40, 90, seed=9)
+    settings = ExtractSettings(aux_layer_ids=default_aux_layer_ids(smol.config.num_hidden_layers), teacher="topk",
+                               topk=20)
+    extractor = HFExtractor(smol, settings, t2d=t2d)
+    for (ids, _), fh in zip(samples, HFExtractor(smol, ExtractSettings(aux_layer_ids=settings.aux_layer_ids))
+                            .extract(samples)):
+        rec = Extracted(index=0, input_ids=torch.tensor(ids), loss_mask=torch.ones(len(ids)), aux_hidden=None)
+        assert extractor._topk(fh.final_hidden, rec) is None
+        want_ids, want_lp, want_in_draft = _full_vocab_topk(smol, fh.final_hidden, t2d, 20)
+        assert torch.equal(rec.topk_ids.long(), want_ids)
+        torch.testing.assert_close(rec.topk_logprobs.float(), want_lp.half().float(), atol=1e-6, rtol=2 ** -10)
+        assert torch.equal(rec.argmax_in_draft, want_in_draft)
+        assert 0 < int(want_in_draft.sum()) < len(ids)  # a random 8K draft vocab misses some argmaxes
+
+
+@pytest.mark.parametrize("draft_is_lower", [True, False])
+def test_topk_teacher_tie_goes_to_the_lower_target_id(draft_is_lower):
+    """A draft and a non-draft token with the same best logit: the lower target id is the argmax."""
+    model = _tiny()
+    t2d = _t2d(512, seed=2)
+    draft_id, other_id = int(torch.nonzero(t2d)[5]), int(torch.nonzero(~t2d)[5])
+    head = model.get_output_embeddings().weight
+    direction = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        head[draft_id] = head[other_id] = direction * 10  # the same row: the same logit, the largest
+    if (draft_id < other_id) != draft_is_lower:  # swap roles by renaming which id is drafted
+        t2d[draft_id], t2d[other_id] = False, True
+    final = direction[None].repeat(2, 1)
+    rec = Extracted(index=0, input_ids=torch.zeros(2, dtype=torch.int32), loss_mask=torch.ones(2), aux_hidden=None)
+    extractor = HFExtractor(model, ExtractSettings(aux_layer_ids=[1, 2, 3], teacher="topk", topk=3), t2d=t2d)
+    assert extractor._topk(final, rec) is None
+    _, _, want = _full_vocab_topk(model, final, t2d, 3)
+    assert torch.equal(rec.argmax_in_draft, want)
+    assert bool(want.all()) == draft_is_lower
