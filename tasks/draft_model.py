@@ -15,13 +15,17 @@ Promises, in one place each:
   vocab (CONTRACTS: such positions are masked).
 - Attention at step i, query t: step-0 keys s <= t of the same sample, plus the keys of steps
   1..i at position t only (the "diagonal" cache). RoPE position of step i is t+i, the position
-  the draft token occupies at serving time. `ttt_attention_mask` states this as a dense mask.
+  the draft token occupies at serving time. `ttt_attention_mask` states this as a dense mask;
+  `ttt_attention` computes it with a fused flash kernel for the step-0 block (its logsumexp
+  merged with the diagonal scores), keeping nothing T x T for backward.
 - A sample's logits and loss do not depend on what it is batched with (right padding; causal
   attention never reaches a padded key from a real query).
 - Loss: forward KL as soft cross entropy over the draft vocab, mean over counted positions per
   step, steps weighted decay**i (0.8 as in EAGLE-3/SpecForge). The teacher is float32.
 - No python loop over positions: the TTT steps (k <= ~8) are the only loop in the model; the
-  teacher is computed in chunks of positions only to bound memory on 160K-vocab targets.
+  teacher is computed in chunks of positions only to bound memory on 160K-vocab targets. The
+  loss needs the teacher, the head and the soft cross entropy only at counted positions, and
+  computes them only there (the same numbers as over all positions, masked).
 """
 
 from __future__ import annotations
@@ -268,27 +272,149 @@ def ttt_attention_mask(attention_mask: torch.Tensor, step: int) -> torch.Tensor:
     return torch.cat(blocks, dim=-1)
 
 
+# Devices whose fused flash-attention kernel (with logsumexp and a backward that takes it) the TTT
+# attention uses for the step-0 block; elsewhere a dense float32 path computes the same thing.
+FUSED_ATTENTION_DEVICES = ("cpu",)
+
+
+def _step0_bias(attention_mask: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor | None, bool]:
+    """(additive bias, causal) for the step-0 block.
+
+    A [B, T] mask of real tokens gives a key-padding bias [B, 1, 1, T] (0 on real keys, -inf on
+    padding; None without padding) on top of the causal mask. A [B, T, T] mask is the step-0 block
+    itself (as `ttt_attention_mask(mask, 0)` or another caller's own): a bias [B, 1, T, T], not causal.
+    """
+    if attention_mask is None:
+        return None, True
+    if attention_mask.dim() == 3:
+        bias = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device)
+        return bias.masked_fill(~attention_mask.bool(), float("-inf"))[:, None], False
+    if bool(attention_mask.all()):
+        return None, True
+    bias = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device)
+    return bias.masked_fill(~attention_mask.bool(), float("-inf"))[:, None, None], True
+
+
+def _dense_step0(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None, scale: float,
+                 causal: bool) -> torch.Tensor:
+    """float32 step-0 scores [B, nh, T, T] with the mask applied (the portable path)."""
+    t = q.shape[-2]
+    g = q.shape[1] // k.shape[1]
+    s = torch.matmul(q.float(), k.float().repeat_interleave(g, dim=1).transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(t, t, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    return s if bias is None else s + bias.float()
+
+
+def _step0_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                   scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax(S) V [B, nh, T, d], logsumexp of S [B, nh, T] float32) of the step-0 causal block."""
+    if q.device.type in FUSED_ATTENTION_DEVICES:  # fused flash kernel: no T x T scores, skips the masked half
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+        return out, lse
+    s = _dense_step0(q, k, bias, scale, causal)
+    lse = s.logsumexp(-1)
+    g = q.shape[1] // k.shape[1]
+    out = torch.matmul((s - lse[..., None]).exp().to(v.dtype), v.repeat_interleave(g, dim=1))
+    return out, lse
+
+
+def _step0_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, bias: torch.Tensor | None, scale: float, causal: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of the step-0 block given the *merged* output and logsumexp (flash-attention backward)."""
+    if q.device.type in FUSED_ATTENTION_DEVICES:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
+    b, nh, t, d = q.shape
+    kvh, g = k.shape[1], q.shape[1] // k.shape[1]
+    p = (_dense_step0(q, k, bias, scale, causal) - lse[..., None]).exp()  # [B, nh, T, T] float32
+    do = dout.float()
+    dv = torch.matmul(p.transpose(-1, -2), do).view(b, kvh, g, t, d).sum(2)
+    dp = torch.matmul(do, v.float().repeat_interleave(g, dim=1).transpose(-1, -2))
+    ds = p * (dp - (do * out.float()).sum(-1, keepdim=True)) * scale
+    dq = torch.matmul(ds, k.float().repeat_interleave(g, dim=1))
+    dk = torch.matmul(ds.transpose(-1, -2), q.float()).view(b, kvh, g, t, d).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _TTTAttention(torch.autograd.Function):
+    """softmax over [step-0 causal block | one diagonal score per cached step] in one function.
+
+    Forward: the step-0 block through a fused kernel that also returns its logsumexp, merged with
+    the diagonal scores by log-sum-exp. Backward: the step-0 block's gradient is the fused kernel's
+    backward called with the *merged* output and logsumexp (its probabilities exp(S - lse) are then
+    the merged softmax's, and rowsum(dO * O) is the merged one), plus the diagonal terms in closed
+    form. Saved for backward: q, k, v, the output and logsumexp, O(T) per head; no T x T tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, bias: torch.Tensor | None, causal: bool, k0: torch.Tensor, v0: torch.Tensor,
+                *cached: torch.Tensor) -> torch.Tensor:
+        b, nh, t, d = q.shape
+        kvh = k0.shape[1]
+        g = nh // kvh
+        scale = 1.0 / math.sqrt(d)
+        with torch.autocast(q.device.type, enabled=False):
+            o0, lse0 = _step0_forward(q, k0, v0, bias, scale, causal)
+            ctx.scale, ctx.causal, ctx.n, ctx.dtypes = scale, causal, len(cached) // 2, [c.dtype for c in cached]
+            if not cached:
+                ctx.save_for_backward(q, k0, v0, o0, lse0, bias)
+                return o0
+            qg = q.float().view(b, kvh, g, t, d)
+            ks = torch.stack([c.float() for c in cached[0::2]])  # [n, B, kvh, T, d]
+            vs = torch.stack([c.float() for c in cached[1::2]])
+            s = torch.einsum("bkgtd,nbktd->nbkgt", qg, ks) * scale  # the diagonal scores, float32
+            lse0 = lse0.float().view(b, kvh, g, t)
+            lse = torch.logaddexp(lse0, s.logsumexp(0))
+            p = (s - lse).exp()  # [n, B, kvh, g, T]
+            out = o0.float().view(b, kvh, g, t, d) * (lse0 - lse).exp()[..., None]
+            out = (out + torch.einsum("nbkgt,nbktd->bkgtd", p, vs)).view(b, nh, t, d).to(q.dtype)
+            ctx.save_for_backward(q, k0, v0, out, lse.view(b, nh, t), bias, ks, vs, p)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        dout = dout.contiguous()
+        with torch.autocast(dout.device.type, enabled=False):
+            if ctx.n == 0:
+                q, k0, v0, o0, lse0, bias = ctx.saved_tensors
+                dq, dk0, dv0 = _step0_backward(dout.to(q.dtype), q, k0, v0, o0, lse0, bias, ctx.scale, ctx.causal)
+                return dq, None, None, dk0, dv0
+            q, k0, v0, out, lse, bias, ks, vs, p = ctx.saved_tensors
+            b, nh, t, d = q.shape
+            kvh = k0.shape[1]
+            g = nh // kvh
+            dq, dk0, dv0 = _step0_backward(dout.to(q.dtype), q, k0, v0, out, lse, bias, ctx.scale, ctx.causal)
+            do = dout.float().view(b, kvh, g, t, d)
+            rowsum = (do * out.float().view(b, kvh, g, t, d)).sum(-1)  # [B, kvh, g, T]
+            dvs = torch.einsum("nbkgt,bkgtd->nbktd", p, do)
+            ds = p * (torch.einsum("bkgtd,nbktd->nbkgt", do, vs) - rowsum) * ctx.scale
+            dq = (dq.float() + torch.einsum("nbkgt,nbktd->bkgtd", ds, ks).reshape(b, nh, t, d)).to(q.dtype)
+            dks = torch.einsum("nbkgt,bkgtd->nbktd", ds, q.float().view(b, kvh, g, t, d))
+            grads: list[torch.Tensor] = []
+            for j in range(ctx.n):
+                grads += [dks[j].to(ctx.dtypes[2 * j]), dvs[j].to(ctx.dtypes[2 * j + 1])]
+        return (dq, None, None, dk0, dv0, *grads)
+
+
 def ttt_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                  step0_mask: torch.Tensor) -> torch.Tensor:
+                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of queries q [B, nh, T, d] over the TTT cache; returns [B, nh, T, d].
 
     keys/values: one [B, kvh, T, d] tensor per step so far (this step's included, last).
-    step0_mask: bool [B, T, T], the step-0 block of `ttt_attention_mask`. Later steps contribute
-    one score per query (its own position), so they cost a dot product each, not a T x T block.
-    Scores and softmax are float32.
+    attention_mask: bool [B, T], real tokens (None: all real): the step-0 block is causal over the
+    sample's real keys (the step-0 block of `ttt_attention_mask`); or bool [B, T, T], the step-0
+    block given as such (tasks/evaluate.py passes its causal mask). Later steps contribute one
+    score per query (its own position). The step-0 block runs through a fused flash kernel on CPU (a dense
+    float32 path elsewhere); the diagonal scores and the merge are float32.
     """
-    b, nh, t, d = q.shape
-    kvh = keys[0].shape[1]
-    qg = q.view(b, kvh, nh // kvh, t, d)  # grouped-query attention without repeating k/v
-    scale = 1.0 / math.sqrt(d)
-    scores0 = torch.matmul(qg, keys[0].unsqueeze(2).transpose(-1, -2)).float() * scale  # [B, kvh, g, T, T]
-    scores0 = scores0.masked_fill(~step0_mask[:, None, None], float("-inf"))
-    diag = [(qg * k.unsqueeze(2)).sum(-1, keepdim=True).float() * scale for k in keys[1:]]  # [B, kvh, g, T, 1]
-    weights = torch.cat([scores0, *diag], dim=-1).softmax(dim=-1).to(q.dtype)
-    out = torch.matmul(weights[..., :t], values[0].unsqueeze(2))
-    for j, v in enumerate(values[1:]):
-        out = out + weights[..., t + j, None] * v.unsqueeze(2)
-    return out.view(b, nh, t, d)
+    bias, causal = _step0_bias(attention_mask, q.dtype)
+    cached: list[torch.Tensor] = []
+    for k, v in zip(keys[1:], values[1:]):
+        cached += [k, v]
+    return _TTTAttention.apply(q, bias, causal, keys[0], values[0], *cached)
 
 
 class Eagle3Attention(nn.Module):
@@ -303,7 +429,8 @@ class Eagle3Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * hd, h, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: list[tuple[torch.Tensor, torch.Tensor]], step0_mask: torch.Tensor) -> torch.Tensor:
+                cache: list[tuple[torch.Tensor, torch.Tensor]], attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """attention_mask: bool [B, T] real tokens, or a [B, T, T] step-0 mask (see `ttt_attention`)."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -312,7 +439,7 @@ class Eagle3Attention(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         cache.append((k, v))
-        out = ttt_attention(q, [c[0] for c in cache], [c[1] for c in cache], step0_mask)
+        out = ttt_attention(q, [c[0] for c in cache], [c[1] for c in cache], attention_mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
@@ -342,12 +469,12 @@ class Eagle3DecoderLayer(nn.Module):
         self.mlp = Eagle3MLP(config)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: list[tuple[torch.Tensor, torch.Tensor]], step0_mask: torch.Tensor) -> torch.Tensor:
+                cache: list[tuple[torch.Tensor, torch.Tensor]], attention_mask: torch.Tensor | None) -> torch.Tensor:
         # The residual is the raw hidden state, not the embedding and not its normed copy: SGLang
         # (and vLLM with norm_before_residual=false) serve exactly this.
         residual = hidden
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        h = residual + self.self_attn(x, cos, sin, cache, step0_mask)
+        h = residual + self.self_attn(x, cos, sin, cache, attention_mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -409,28 +536,34 @@ class Eagle3Draft(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
 
-    def steps(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-              steps: int = DEFAULT_TTT_STEPS) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Yield (pre-norm hidden [B, T, H], logits [B, T, draft_vocab]) for TTT steps 0..steps-1.
+    def hidden_steps(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor,
+                     attention_mask: torch.Tensor | None = None, steps: int = DEFAULT_TTT_STEPS
+                     ) -> Iterator[torch.Tensor]:
+        """Yield the pre-norm hidden [B, T, H] of TTT steps 0..steps-1 (no logits: a loss may need few rows).
 
         aux_hidden [B, T, 3H] and input_ids [B, T] are record-aligned (not shifted): the shifting
-        described in the module docstring happens here. A generator, so a loss can be taken per
-        step without keeping every step's logits alive.
+        described in the module docstring happens here.
         """
         b, t = input_ids.shape
         if aux_hidden.shape[:2] != (b, t) or aux_hidden.shape[-1] != 3 * self.config.hidden_size:
             raise ValueError(f"aux_hidden must be [B, T, 3H] = [{b}, {t}, {3 * self.config.hidden_size}], "
                              f"got {list(aux_hidden.shape)}")
-        if attention_mask is None:
-            attention_mask = torch.ones(b, t, dtype=torch.bool, device=input_ids.device)
-        causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
-        step0_mask = causal[None] & attention_mask.bool()[:, None, :]
+        mask = None if attention_mask is None else attention_mask.bool()
         hidden = self.fc(aux_hidden.to(self.fc.weight.dtype))
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i in range(steps):
             embeds = self.embed_tokens(_shift_left(input_ids, i + 1))
             cos, sin = self._rope(t, i)  # the step-i draft token sits at position t+i when served
-            hidden = self.midlayer(embeds, hidden, cos, sin, cache, step0_mask)
+            hidden = self.midlayer(embeds, hidden, cos, sin, cache, mask)
+            yield hidden
+
+    def steps(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+              steps: int = DEFAULT_TTT_STEPS) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Yield (pre-norm hidden [B, T, H], logits [B, T, draft_vocab]) for TTT steps 0..steps-1.
+
+        A generator, so a loss can be taken per step without keeping every step's logits alive.
+        """
+        for hidden in self.hidden_steps(aux_hidden, input_ids, attention_mask, steps):
             yield hidden, self.lm_head(self.norm(hidden))
 
     def forward(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -530,40 +663,130 @@ def collate(records: Sequence[Extracted], pad_token_id: int = 0, dtype: torch.dt
 class TeacherTargets:
     probs: torch.Tensor            # float32 [B, T, draft_vocab]: target distribution restricted to the draft vocab
     argmax_in_draft: torch.Tensor  # bool [B, T]: the target's full-vocab argmax is a draft token
+    # float32 [B, T + extra, draft_vocab]: `probs` followed by zero rows (`probs` is a view of it), so
+    # the teacher of position t+n is a view, not a copy
+    rows: torch.Tensor | None = field(default=None, repr=False)
+    argmax: torch.Tensor | None = field(default=None, repr=False)  # int64 [B, T]: probs.argmax(-1)
+
+    def shifted(self, n: int) -> torch.Tensor:
+        """probs at t+n at position t (zeros past the end), [B, T, draft_vocab]; a view when `rows` allows."""
+        t = self.probs.shape[1]
+        if self.rows is not None and n >= 0 and self.rows.shape[1] >= t + n:
+            return self.rows[:, n:n + t]
+        return _shift_left(self.probs, n)
+
+    def teacher_argmax(self) -> torch.Tensor:
+        if self.argmax is None:
+            self.argmax = self.probs.argmax(-1)
+        return self.argmax
+
+
+def trained_teacher_positions(batch: Batch) -> torch.Tensor:
+    """bool [B, T]: the positions u whose teacher any TTT step can count (token u+1 is loss-masked)."""
+    return _shift_left(batch.loss_mask.bool(), 1, False) & batch.attention_mask.bool()
+
+
+def _draft_max_beats_rest(x: torch.Tensor, d_max: torch.Tensor, d_tid: torch.Tensor, head: torch.Tensor,
+                          draft: Eagle3Draft, chunk_tokens: int, block_rows: int) -> torch.Tensor:
+    """bool [N]: the first index of the maximum of the full-vocab logits x @ head.T is a draft token.
+
+    The same boolean as `draft.t2d[(x @ head.T).argmax(-1)]` (argmax: the first maximal index),
+    without the full [N, V] logits: given the draft ids' maximum logit `d_max` and the target id
+    `d_tid` of its first occurrence, the other ids' logits are computed in blocks of head rows
+    (float32, the same dot products) keeping their running maximum and its first (lowest) target
+    id. Draft ids are in ascending target-id order (validate_vocab), so a tie goes to the lower id.
+    """
+    device = x.device
+    n = x.shape[0]
+    others = (~draft.t2d).nonzero().squeeze(1)
+    best = torch.full((n,), float("-inf"), dtype=torch.float32, device=device)
+    best_tid = torch.full((n,), draft.config.target_vocab_size, dtype=torch.int64, device=device)
+    for r0 in range(0, others.numel(), block_rows):
+        ids = others[r0:r0 + block_rows]
+        w = head[ids.to(head.device)].to(device, torch.float32)
+        for c0 in range(0, n, chunk_tokens):
+            logits = x[c0:c0 + chunk_tokens] @ w.T
+            a = logits.argmax(-1)
+            m = logits.gather(1, a[:, None]).squeeze(1)
+            seg = slice(c0, c0 + chunk_tokens)
+            better = m > best[seg]  # strict: an earlier block holds lower ids
+            best[seg] = torch.where(better, m, best[seg])
+            best_tid[seg] = torch.where(better, ids[a], best_tid[seg])
+    return (d_max > best) | ((d_max == best) & (d_tid < best_tid))
+
+
+def _final_hidden_teacher(batch: Batch, draft: Eagle3Draft, target_head: torch.Tensor | None, chunk_tokens: int,
+                          trained_only: bool, want_probs: bool, argmax_in_draft: torch.Tensor | None,
+                          extra_rows: int, block_rows: int) -> TeacherTargets:
+    b, t = batch.input_ids.shape
+    n_draft = draft.config.draft_vocab_size
+    device = draft.d2t.device
+    if target_head is None:
+        raise ValueError("the final_hidden teacher needs target_head, the target's lm_head weight [V, H]")
+    v = draft.config.target_vocab_size
+    if target_head.shape != (v, draft.config.hidden_size):
+        raise ValueError(f"target_head has shape {tuple(target_head.shape)}, "
+                         f"expected ({v}, {draft.config.hidden_size})")
+    head = target_head.detach()
+    draft_ids = draft.draft_to_target
+    head_draft = head[draft_ids.to(head.device)].to(device, torch.float32)
+    where = trained_teacher_positions(batch) if trained_only else torch.ones(b, t, dtype=torch.bool)
+    bi, ti = where.to(device).nonzero(as_tuple=True)
+    x = batch.final_hidden.to(device)[bi, ti].to(torch.float32)
+    n = x.shape[0]
+    rows = torch.zeros(b, t + extra_rows, n_draft if want_probs else 0, dtype=torch.float32, device=device)
+    rows_flat = rows.view(b * (t + extra_rows), rows.shape[-1])
+    flat = bi * (t + extra_rows) + ti
+    argmax = torch.zeros(b, t, dtype=torch.int64, device=device)
+    d_max = torch.empty(n, dtype=torch.float32, device=device)
+    d_tid = torch.empty(n, dtype=torch.int64, device=device)
+    for c0 in range(0, n, chunk_tokens):
+        seg = slice(c0, c0 + chunk_tokens)
+        logits = x[seg] @ head_draft.T
+        a = logits.argmax(-1)
+        d_max[seg] = logits.gather(1, a[:, None]).squeeze(1)
+        d_tid[seg] = draft_ids[a]
+        if want_probs:
+            p = logits.softmax(dim=-1)
+            rows_flat[flat[seg]] = p
+            argmax[bi[seg], ti[seg]] = p.argmax(-1)
+    if argmax_in_draft is None:
+        in_draft = torch.zeros(b, t, dtype=torch.bool, device=device)
+        in_draft[bi, ti] = _draft_max_beats_rest(x, d_max, d_tid, head, draft, chunk_tokens, block_rows)
+    else:
+        in_draft = argmax_in_draft.to(device).bool()
+    return TeacherTargets(rows[:, :t], in_draft, rows, argmax)
 
 
 @torch.no_grad()
 def teacher_targets(batch: Batch, draft: Eagle3Draft, target_head: torch.Tensor | None = None,
-                    chunk_tokens: int = 1024) -> TeacherTargets:
+                    chunk_tokens: int = 512, *, trained_only: bool = False,
+                    argmax_in_draft: torch.Tensor | None = None, extra_rows: int = DEFAULT_TTT_STEPS + 1,
+                    block_rows: int = 8192) -> TeacherTargets:
     """The teacher at every position of `batch`, over the draft vocab (draft id order).
 
     final_hidden: logits = final_hidden @ target_head.T in float32 (target_head: the target's
-    lm_head weight [V, H]), softmax over the draft ids, argmax over the full vocab. Computed in
-    chunks of positions so a 160K-vocab target never needs B*T*V floats at once.
+    lm_head weight [V, H]), softmax over the draft ids, argmax over the full vocab. The draft ids'
+    logits and the other ids' are separate matmuls over row subsets of the head (the same float32
+    dot products), the full-vocab argmax is decided from the two maxima and their first ids, and
+    positions go in chunks, so a 160K-vocab target never needs B*T*V floats at once.
     topk: the stored log-probs (already renormalised over the draft vocab) scattered into a dense
     draft-vocab distribution and renormalised over the k kept tokens, so every counted position
     holds a distribution.
+
+    trained_only: compute only the positions a TTT step can count (`trained_teacher_positions`);
+    elsewhere probs are 0 and argmax_in_draft False, which the loss, the counts and the metrics
+    never read. argmax_in_draft: the final_hidden flags when already known (train_step's counting
+    pass): the head's non-draft rows are then not needed. The probs are a view of `rows`, which has
+    `extra_rows` zero rows at the end of each sample, so shifted teachers are views.
     """
-    b, t = batch.input_ids.shape
-    n_draft = draft.config.draft_vocab_size
-    device = draft.d2t.device
     if batch.teacher == "final_hidden":
-        if target_head is None:
-            raise ValueError("the final_hidden teacher needs target_head, the target's lm_head weight [V, H]")
-        v = draft.config.target_vocab_size
-        if target_head.shape != (v, draft.config.hidden_size):
-            raise ValueError(f"target_head has shape {tuple(target_head.shape)}, "
-                             f"expected ({v}, {draft.config.hidden_size})")
-        head = target_head.detach().to(device, torch.float32)
-        draft_ids = draft.draft_to_target
-        states = batch.final_hidden.reshape(b * t, -1)
-        probs = torch.empty(b * t, n_draft, dtype=torch.float32, device=device)
-        in_draft = torch.empty(b * t, dtype=torch.bool, device=device)
-        for start in range(0, b * t, chunk_tokens):
-            logits = states[start:start + chunk_tokens].to(device, torch.float32) @ head.T
-            in_draft[start:start + chunk_tokens] = draft.t2d[logits.argmax(dim=-1)]
-            probs[start:start + chunk_tokens] = logits[:, draft_ids].softmax(dim=-1)
-        return TeacherTargets(probs.view(b, t, n_draft), in_draft.view(b, t))
+        return _final_hidden_teacher(batch, draft, target_head, chunk_tokens, trained_only, True, argmax_in_draft,
+                                     extra_rows, block_rows)
+    b, t = batch.input_ids.shape
+    device = draft.d2t.device
+    rows = torch.zeros(b, t + extra_rows, draft.config.draft_vocab_size, dtype=torch.float32, device=device)
+    probs = rows[:, :t]
     to_draft = draft.target_to_draft()
     ids = to_draft[batch.topk_ids.to(device)]
     kept = torch.isfinite(batch.topk_logprobs.to(device))
@@ -572,13 +795,53 @@ def teacher_targets(batch: Batch, draft: Eagle3Draft, target_head: torch.Tensor 
         raise ValueError(f"{int(bad.sum())} top-k teacher ids are outside this draft's vocab: the records were "
                          "extracted with another draft vocabulary")
     p = torch.where(kept, batch.topk_logprobs.to(device).exp(), torch.zeros((), device=device))
-    probs = torch.zeros(b, t, n_draft, dtype=torch.float32, device=device)
     probs.scatter_add_(-1, ids.clamp_min(0), p)
-    probs = probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    return TeacherTargets(probs, batch.argmax_in_draft.to(device) & batch.attention_mask.to(device))
+    probs.div_(probs.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny))
+    return TeacherTargets(probs, batch.argmax_in_draft.to(device) & batch.attention_mask.to(device), rows)
+
+
+@torch.no_grad()
+def teacher_argmax_in_draft(batch: Batch, draft: Eagle3Draft, target_head: torch.Tensor | None = None,
+                            chunk_tokens: int = 512, *, trained_only: bool = False,
+                            block_rows: int = 8192) -> torch.Tensor:
+    """bool [B, T]: `teacher_targets(...).argmax_in_draft` alone (what the counting pass needs), no probs."""
+    device = draft.d2t.device
+    if batch.teacher != "final_hidden":
+        return batch.argmax_in_draft.to(device) & batch.attention_mask.to(device)
+    return _final_hidden_teacher(batch, draft, target_head, chunk_tokens, trained_only, False, None, 0,
+                                 block_rows).argmax_in_draft
 
 
 # ---------------------------------------------------------------- the TTT loss
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    """Per row n: -(p_n * log_softmax(z_n)).sum() = sum(p_n) * logsumexp(z_n) - p_n . z_n, in float32.
+
+    p_n = rows[index[n]] (the teacher buffer, not differentiated). Keeps z (the logits) and two
+    floats per row for backward, not log-probabilities nor a copy of p: the backward is
+    g * (sum(p) * softmax(z) - p), with p gathered again.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(logits.device.type, enabled=False):
+            z = logits.float()
+            p = rows.index_select(0, index)
+            lse = torch.logsumexp(z, dim=-1)
+            psum = p.sum(-1)
+            pz = torch.bmm(z.unsqueeze(1), p.unsqueeze(2)).view(-1)
+        ctx.save_for_backward(logits, rows, index, lse, psum)
+        return psum * lse - pz
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, rows, index, lse, psum = ctx.saved_tensors
+        g = grad.float()
+        out = (logits.float() - lse[:, None]).exp_()
+        out.mul_((g * psum)[:, None])
+        out.sub_(rows.index_select(0, index).mul_(g[:, None]))
+        return out.to(logits.dtype), None, None
+
 
 @dataclass
 class TTTResult:
@@ -603,44 +866,64 @@ class TTTResult:
         return self.conditional_correct.double() / self.conditional_valid.clamp_min(1).double()
 
 
+def counted_mask(loss_mask: torch.Tensor, argmax_in_draft: torch.Tensor, step: int) -> torch.Tensor:
+    """bool [B, T]: the positions TTT `step` counts: token t+step+2 is loss-masked and the target's
+    argmax at t+step+1 is a draft token."""
+    return (_shift_left(loss_mask.bool(), step + 2, False)
+            & _shift_left(argmax_in_draft.to(loss_mask.device).bool(), step + 1, False))
+
+
 def step_targets(batch: Batch, teacher: TeacherTargets, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What TTT `step` at position t is trained on: (teacher probs [B, T, draft_vocab], counted bool [B, T]).
 
     The teacher is the target's distribution at t+step+1 (it predicts token t+step+2); a position
     counts when that token is loss-masked and the target's argmax there is a draft token.
     """
-    probs = _shift_left(teacher.probs, step + 1)
-    trained = _shift_left(batch.loss_mask.to(teacher.probs.device), step + 2, False)
-    return probs, trained & _shift_left(teacher.argmax_in_draft, step + 1, False)
+    return teacher.shifted(step + 1), step_valid_mask(batch, teacher, step)
 
 
 def step_valid_mask(batch: Batch, teacher: TeacherTargets, step: int) -> torch.Tensor:
     """bool [B, T]: the positions TTT `step` counts (the second half of `step_targets`)."""
-    return step_targets(batch, teacher, step)[1]
+    return counted_mask(batch.loss_mask.to(teacher.argmax_in_draft.device), teacher.argmax_in_draft, step)
 
 
 def ttt_loss(draft: Eagle3Draft, batch: Batch, steps: int = DEFAULT_TTT_STEPS, decay: float = DEFAULT_STEP_DECAY,
              target_head: torch.Tensor | None = None, teacher: TeacherTargets | None = None) -> TTTResult:
-    """Unroll `steps` TTT steps on `batch` and return the weighted loss and per-step metrics."""
+    """Unroll `steps` TTT steps on `batch` and return the weighted loss and per-step metrics.
+
+    Each step's norm, lm_head and soft cross entropy run on its counted positions only (the others
+    reach neither the loss nor the metrics, and no later position reads a step's logits).
+    """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     device = draft.d2t.device
     batch = batch.to(device)
     if teacher is None:
-        teacher = teacher_targets(batch, draft, target_head)
+        teacher = teacher_targets(batch, draft, target_head, trained_only=True)
+    b, t = batch.input_ids.shape
+    rows = teacher.rows if teacher.rows is not None and teacher.rows.shape[1] >= t else None
+    width = rows.shape[1] if rows is not None else t
+    target = teacher.teacher_argmax()
     weights = tuple(decay ** i for i in range(steps))
     step_losses, sample_losses = [], []
     valid_n, correct_n, cvalid_n, ccorrect_n = [], [], [], []
     chain_ok = torch.ones_like(batch.attention_mask, dtype=torch.bool)  # steps < i all counted and correct
-    for i, (_, logits) in enumerate(draft.steps(batch.aux_hidden, batch.input_ids, batch.attention_mask, steps)):
-        p, valid = step_targets(batch, teacher, i)
-        logp = F.log_softmax(logits.float(), dim=-1)
-        ce = torch.where(valid, -(p * logp).sum(-1), torch.zeros((), device=device))
+    for i, hidden in enumerate(draft.hidden_steps(batch.aux_hidden, batch.input_ids, batch.attention_mask, steps)):
+        valid = step_valid_mask(batch, teacher, i)
+        bi, ti = valid.nonzero(as_tuple=True)  # counted positions: token t+i+2 exists, so t+i+1 < T
+        logits = draft.lm_head(draft.norm(hidden[bi, ti]))  # [N, draft_vocab]
+        if rows is not None:
+            ce = _SoftCrossEntropy.apply(logits, rows.view(-1, rows.shape[-1]), bi * width + ti + i + 1)
+        else:
+            ce = _SoftCrossEntropy.apply(logits, teacher.probs.reshape(-1, teacher.probs.shape[-1]),
+                                         bi * t + ti + i + 1)
         per_sample_n = valid.sum(1)
-        sample_losses.append(ce.sum(1) / per_sample_n.clamp_min(1))
-        step_losses.append(ce.sum() / valid.sum().clamp_min(1))
+        sample_losses.append(torch.zeros(b, dtype=ce.dtype, device=device).index_add(0, bi, ce)
+                             / per_sample_n.clamp_min(1))
+        step_losses.append(ce.sum() / per_sample_n.sum().clamp_min(1))
         with torch.no_grad():
-            right = (logits.argmax(-1) == p.argmax(-1)) & valid
+            right = torch.zeros_like(valid)
+            right[bi, ti] = logits.argmax(-1) == target[bi, ti + i + 1]
             cond = chain_ok & valid
             valid_n.append(valid.sum())
             correct_n.append(right.sum())

@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from storage.datasets import write_folder_atomically
-from tasks.draft_model import Batch, Eagle3Draft, step_valid_mask, teacher_targets, ttt_loss
+from tasks.draft_model import Batch, Eagle3Draft, counted_mask, teacher_argmax_in_draft, teacher_targets, ttt_loss
 
 CHECKPOINT_PREFIX = "step-"
 MODEL_FILE = "model.safetensors"
@@ -129,39 +129,66 @@ class StepMetrics:
 
 
 def train_step(draft: Eagle3Draft, optimizer: torch.optim.Optimizer, micro: Sequence[Batch | None],
-               fallback: Batch, *, ttt_steps: int, decay: float, target_head: torch.Tensor | None, lr: float,
-               grad_clip: float, precision: str = "fp32", all_reduce: Callable[[torch.Tensor], None] | None = None
-               ) -> StepMetrics:
-    """One optimizer step over this process's micro-batches (None: no batch left in this slot).
+               fallback: Batch | None = None, *, ttt_steps: int, decay: float, target_head: torch.Tensor | None,
+               lr: float, grad_clip: float, precision: str = "fp32",
+               all_reduce: Callable[[torch.Tensor], None] | None = None) -> StepMetrics:
+    """One optimizer step over this process's micro-batches (None: no batch in this slot).
 
     Every step of TTT is normalised by the count of its counted positions over *all* micro-batches
-    of all processes, so the summed gradient is the gradient of one big batch. A None slot runs
-    `fallback` with weight zero: every process then does the same collective calls.
+    of all processes, so the summed gradient is the gradient of one big batch. A None slot adds
+    nothing (its gradient is zero; `fallback` is accepted for older callers and not run), and every
+    process makes the same collective calls whatever its slots hold.
+
+    Teachers are built one micro-batch at a time: the counting pass needs only each micro-batch's
+    argmax-in-draft flags (the first real micro-batch's whole teacher is kept from it, the others'
+    draft-vocab distributions are built again just before their forward), so at most one [B, T,
+    draft_vocab] teacher is alive at a time.
     """
+    del fallback
+    device = draft.d2t.device
     params = [p for p in draft.parameters() if p.requires_grad]
-    batches = [(b if b is not None else fallback, b is not None) for b in micro]
-    teachers = [teacher_targets(b.to(draft.d2t.device), draft, target_head) for b, _ in batches]
+    batches = [b.to(device) if b is not None else None for b in micro]
     counts = torch.zeros(ttt_steps, dtype=torch.float64)
-    for (b, real), t in zip(batches, teachers):
-        if real:
-            for i in range(ttt_steps):
-                counts[i] += float(step_valid_mask(b.to(draft.d2t.device), t, i).sum())
+    kept: tuple[int, object] | None = None  # (slot, teacher) of the first real micro-batch
+    flags: list[torch.Tensor | None] = []
+    for j, b in enumerate(batches):
+        if b is None:
+            flags.append(None)
+            continue
+        if kept is None:
+            teacher = teacher_targets(b, draft, target_head, trained_only=True)
+            kept = (j, teacher)
+            flag = teacher.argmax_in_draft
+        else:
+            flag = teacher_argmax_in_draft(b, draft, target_head, trained_only=True)
+        flags.append(flag)
+        for i in range(ttt_steps):
+            counts[i] += float(counted_mask(b.loss_mask, flag, i).sum())
     if all_reduce is not None:
         all_reduce(counts)
     weights = torch.tensor([decay ** i for i in range(ttt_steps)], dtype=torch.float64)
-    scale = (weights / counts.clamp_min(1)).float().to(draft.d2t.device)
+    scale = (weights / counts.clamp_min(1)).float().to(device)
     totals = torch.zeros(5, ttt_steps, dtype=torch.float64)  # loss sums, valid, correct, cond valid, cond correct
     optimizer.zero_grad(set_to_none=False)
-    for (b, real), t in zip(batches, teachers):
-        autocast = torch.autocast(draft.d2t.device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+    for j, b in enumerate(batches):
+        if b is None:
+            continue
+        if kept is not None and kept[0] == j:
+            t = kept[1]
+            kept = None
+        else:
+            t = teacher_targets(b, draft, target_head, trained_only=True, argmax_in_draft=flags[j])
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
         with autocast:
-            r = ttt_loss(draft, b, steps=ttt_steps, decay=decay, teacher=t)
+            r = ttt_loss(draft, b, steps=ttt_steps, decay=decay, teacher=t)  # type: ignore[arg-type]
+        del t
         sums = r.step_loss * r.valid.to(r.step_loss.dtype)  # per-step sums of soft cross entropy
-        loss = (sums * scale).sum() * (1.0 if real else 0.0)
-        loss.backward()
-        if real:
-            totals += torch.stack([sums.detach().double().cpu(), r.valid.double().cpu(), r.correct.double().cpu(),
-                                   r.conditional_valid.double().cpu(), r.conditional_correct.double().cpu()])
+        (sums * scale).sum().backward()
+        totals += torch.stack([sums.detach().double().cpu(), r.valid.double().cpu(), r.correct.double().cpu(),
+                               r.conditional_valid.double().cpu(), r.conditional_correct.double().cpu()])
+    for p in params:  # a process whose slots were all empty still takes part in the reduction
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
     if all_reduce is not None:
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         all_reduce(flat)

@@ -160,8 +160,7 @@ def test_ttt_attention_mask_and_attention_follow_it():
     q = torch.randn(b, nh, t, d)
     keys = [torch.randn(b, kvh, t, d) for _ in range(steps)]
     values = [torch.randn(b, kvh, t, d) for _ in range(steps)]
-    step0 = ttt_attention_mask(attention_mask, 0)
-    got = ttt_attention(q, keys, values, step0)
+    got = ttt_attention(q, keys, values, attention_mask)
     dense = ttt_attention_mask(attention_mask, steps - 1)[:, None]  # [B, 1, T, T*steps]
     k_all = torch.cat(keys, dim=2).repeat_interleave(nh // kvh, dim=1)
     v_all = torch.cat(values, dim=2).repeat_interleave(nh // kvh, dim=1)
