@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import shutil
 import os
 import time
@@ -59,6 +60,8 @@ class TrainSummary:
     last_loss: float | None = None
     last_accuracy: list[float] = field(default_factory=list)
     last_conditional_accuracy: list[float] = field(default_factory=list)
+    skipped_micro_batches: int = 0  # online: micro-batches whose samples were all quarantined (not trained)
+    quarantined_samples: int = 0    # online: samples the extractor quarantined (left out of their micro-batch)
     shards_trained: int = 0
     shards_deleted: int = 0
     stopped_by: str = "done"  # done | no_data | max_steps
@@ -105,6 +108,7 @@ class RoundReader:
                  extractor=None, on_first_read=None) -> None:
         self.shards, self.rows, self.online, self.extractor = shards, shard_rows, online, extractor
         self.on_first_read = on_first_read
+        self.quarantined = 0  # online: samples the extractor refused (their micro-batch trains on the rest)
         self._name: str | None = None
         self._records: list[Extracted] = []
 
@@ -112,7 +116,9 @@ class RoundReader:
         if items[0].source == ONLINE:
             samples = [(self.online[it.slot].input_ids, self.online[it.slot].loss_mask) for it in items]
             results = self.extractor.extract(samples)
-            return [r for r in results if isinstance(r, Extracted)]
+            kept = [r for r in results if isinstance(r, Extracted)]
+            self.quarantined += len(results) - len(kept)
+            return kept
         name = items[0].source
         if name != self._name:
             self._records, _, _ = read_shard(self.shards, name, self.rows[name]["sha256"])
@@ -234,7 +240,7 @@ def run_training(config: TrainConfig, store: LineageStore, run_id: str, dist: Di
             state.position = None
             break
         stopped = _train_round(config, draft, optimizer, schedule, target_head, reader, items, state, dist, summary,
-                               pending_metrics, checkpoint, progress_id)
+                               pending_metrics, checkpoint, progress_id, logger)
         if stopped:
             summary.stopped_by = "max_steps"
             break
@@ -271,8 +277,14 @@ def _online_samples(store: LineageStore, ws: Path, tokenizer, template: str, set
 
 def _train_round(config: TrainConfig, draft: Eagle3Draft, optimizer, schedule: Schedule, target_head: torch.Tensor,
                  reader: RoundReader, items: list[Item], state: TrainState, dist: Dist, summary: TrainSummary,
-                 pending_metrics: list[dict], checkpoint, progress_id) -> bool:
-    """The remaining epochs of the current round; True if max_steps stopped it."""
+                 pending_metrics: list[dict], checkpoint, progress_id, logger=None) -> bool:
+    """The remaining epochs of the current round; True if max_steps stopped it.
+
+    Online, a micro-batch whose samples the extractor all quarantined is skipped (an empty slot),
+    counted in `summary.skipped_micro_batches` and logged; a step left with no micro-batch at all
+    makes no optimizer step on one process (under torchrun it still joins the reductions with zeros).
+    """
+    logger = logger or logging.getLogger(__name__)
     pos = state.position
     assert pos is not None
     accum, world = config.grad_accum, dist.world_size
@@ -287,14 +299,24 @@ def _train_round(config: TrainConfig, draft: Eagle3Draft, optimizer, schedule: S
             job = bar.add_task("train", total=n_steps, completed=pos.step_in_epoch, info="")
             for s in range(pos.step_in_epoch, n_steps):
                 micro = []
+                quarantined_before = reader.quarantined
                 for a in range(accum):
                     idx = micro_batch_index(s, a, dist.rank, world, accum)
-                    micro.append(collate(reader.records(batches[idx], epoch), pad) if idx < len(batches) else None)
-                fallback = next((b for b in micro if b is not None), None)
-                if fallback is None:  # this process has no batch in this step: run one with weight 0
-                    first = micro_batch_index(s, 0, 0, world, accum)
-                    fallback = collate(reader.records(batches[first], epoch), pad)
-                m = train_step(draft, optimizer, micro, fallback, ttt_steps=config.ttt_steps, decay=config.step_decay,
+                    records = reader.records(batches[idx], epoch) if idx < len(batches) else None
+                    if records is not None and not records:  # online: every sample of it was quarantined
+                        summary.skipped_micro_batches += 1
+                        logger.warning("round %d epoch %d step %d: micro-batch %d skipped, its %d sample(s) were "
+                                       "all quarantined by the extractor", pos.round_index, epoch, s, idx,
+                                       len(batches[idx]))
+                    micro.append(collate(records, pad) if records else None)
+                summary.quarantined_samples += reader.quarantined - quarantined_before
+                if world == 1 and all(b is None for b in micro):
+                    # nothing to train on in this step: no optimizer step (the schedule does not move)
+                    pos.step_in_epoch = s + 1
+                    bar.update(job, completed=s + 1, info="skipped: all quarantined")
+                    continue
+                # An empty slot adds nothing; under torchrun every process still joins the reductions.
+                m = train_step(draft, optimizer, micro, None, ttt_steps=config.ttt_steps, decay=config.step_decay,
                                target_head=target_head, lr=schedule.lr_at(state.step), grad_clip=config.grad_clip,
                                precision=config.precision, all_reduce=all_reduce)
                 state.step += 1

@@ -187,6 +187,42 @@ def test_online_mode_trains_without_writing_shards(prefect_api, tmp_path, worksp
     assert not check_sglang(t.exports["sglang"])
 
 
+def test_online_micro_batches_whose_samples_are_all_quarantined_are_skipped_and_counted(
+        prefect_api, tmp_path, workspace, tiny_target, monkeypatch):
+    import flows.train as ft
+    from tasks.extract import Quarantined
+
+    import_generations(workspace, tmp_path, conversations(10, seed=13))
+    s = extract(extract_config(workspace, tiny_target, draft_vocab_size=256, disk_budget_bytes=1))
+    assert s.shards_written == 0
+    calls = {"n": 0, "refused": 0, "samples": 0}
+    real_build = ft.build_extractor
+
+    def build(*a, **kw):
+        inner = real_build(*a, **kw)
+
+        class EveryOtherRefused:  # the extractor quarantines every sample of every other micro-batch
+            def extract(self, samples):
+                calls["n"] += 1
+                calls["samples"] += len(samples)
+                if calls["n"] % 2 == 0:
+                    calls["refused"] += len(samples)
+                    return [Quarantined(i, "non-finite hidden state (test)") for i in range(len(samples))]
+                return inner.extract(samples)
+        return EveryOtherRefused()
+
+    monkeypatch.setattr(ft, "build_extractor", build)
+    t = train(train_config(workspace, tiny_target, mode="online", epochs=2, batch_tokens=512))
+    skipped = calls["n"] // 2
+    assert skipped >= 2 and t.rounds_done == 1
+    assert t.skipped_micro_batches == skipped and t.quarantined_samples == calls["refused"]
+    assert t.step == calls["n"] - skipped  # one optimizer step per trained micro-batch (grad_accum 1)
+    assert t.last_loss is not None and t.last_loss == t.last_loss  # finite, not an error
+    assert not check_sglang(t.exports["sglang"])
+    store = LineageStore(workspace / "lineage.duckdb")
+    assert [m["step"] for m in store.train_metrics("t")] == list(range(1, t.step + 1))
+
+
 def test_benchmark_checks_the_contract_first_then_reports_acceptance_with_baselines(extracted, tmp_path, tiny_target):
     from safetensors.torch import save_file
 
