@@ -429,6 +429,9 @@ def main() -> int:
     ap.add_argument("--flow-records", type=int, default=16, help="ShareGPT records imported in part 3 (default 16)")
     ap.add_argument("--budget-share", type=float, default=0.35, help="part 3 disk budget / predicted data bytes")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1, see above; 0: torch's default)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="the target's dtype (float32: CPUs without native bf16 run it ~4x faster, so the top-k "
+                         "teacher's float32 logits weigh as they do on a CPU or GPU with native bf16)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 sample, 3 rounds, 4 flow records")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
     args = ap.parse_args()
@@ -458,7 +461,7 @@ def main() -> int:
 
 def _run(args, tmp: Path, started: float) -> int:
     clock = Clock()
-    model, tokenizer = load_target()
+    model, tokenizer = load_target(dtype=getattr(torch, args.dtype))
     gguf = smollm2_gguf_path()
     identity = TargetIdentity(gguf.stem, gguf_revision(gguf), gguf_chat_template(gguf))
     H, L = model.config.hidden_size, model.config.num_hidden_layers
