@@ -128,6 +128,33 @@ class StepMetrics:
     lr: float
 
 
+SPLIT_PADDING = 0.1  # a micro-batch more padded than this runs sample by sample
+
+
+def unpadded_pieces(batch: Batch, flags: torch.Tensor) -> list[tuple[Batch, torch.Tensor]]:
+    """(sub-batch, its argmax-in-draft flags): the micro-batch itself, or each sample cut to its length.
+
+    A sample's loss and gradient do not depend on what it is batched with (right padding, causal
+    attention), so running a padded micro-batch sample by sample gives the same sums without the
+    model's work on padding positions; a micro-batch with little padding runs whole.
+    """
+    b, t = batch.input_ids.shape
+    lengths = batch.attention_mask.sum(1).tolist()
+    if b == 1 or sum(lengths) >= (1 - SPLIT_PADDING) * b * t:
+        return [(batch, flags)]
+    out = []
+    for i, n in enumerate(lengths):
+        def cut(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x[i:i + 1, :n]
+        piece = Batch(input_ids=cut(batch.input_ids), attention_mask=cut(batch.attention_mask),
+                      loss_mask=cut(batch.loss_mask), aux_hidden=cut(batch.aux_hidden),
+                      lengths=batch.lengths[i:i + 1], teacher=batch.teacher, final_hidden=cut(batch.final_hidden),
+                      topk_ids=cut(batch.topk_ids), topk_logprobs=cut(batch.topk_logprobs),
+                      argmax_in_draft=cut(batch.argmax_in_draft), indices=batch.indices[i:i + 1])
+        out.append((piece, flags[i:i + 1, :n]))
+    return out
+
+
 def train_step(draft: Eagle3Draft, optimizer: torch.optim.Optimizer, micro: Sequence[Batch | None],
                fallback: Batch | None = None, *, ttt_steps: int, decay: float, target_head: torch.Tensor | None,
                lr: float, grad_clip: float, precision: str = "fp32",
@@ -142,7 +169,8 @@ def train_step(draft: Eagle3Draft, optimizer: torch.optim.Optimizer, micro: Sequ
     Teachers are built one micro-batch at a time: the counting pass needs only each micro-batch's
     argmax-in-draft flags (the first real micro-batch's whole teacher is kept from it, the others'
     draft-vocab distributions are built again just before their forward), so at most one [B, T,
-    draft_vocab] teacher is alive at a time.
+    draft_vocab] teacher is alive at a time. A micro-batch with more than 10% padding runs sample
+    by sample (`unpadded_pieces`): the same sums, no work on padding.
     """
     del fallback
     device = draft.d2t.device
@@ -155,7 +183,7 @@ def train_step(draft: Eagle3Draft, optimizer: torch.optim.Optimizer, micro: Sequ
         if b is None:
             flags.append(None)
             continue
-        if kept is None:
+        if kept is None and len(unpadded_pieces(b, b.attention_mask)) == 1:
             teacher = teacher_targets(b, draft, target_head, trained_only=True)
             kept = (j, teacher)
             flag = teacher.argmax_in_draft
@@ -173,19 +201,20 @@ def train_step(draft: Eagle3Draft, optimizer: torch.optim.Optimizer, micro: Sequ
     for j, b in enumerate(batches):
         if b is None:
             continue
-        if kept is not None and kept[0] == j:
-            t = kept[1]
-            kept = None
-        else:
-            t = teacher_targets(b, draft, target_head, trained_only=True, argmax_in_draft=flags[j])
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
-        with autocast:
-            r = ttt_loss(draft, b, steps=ttt_steps, decay=decay, teacher=t)  # type: ignore[arg-type]
-        del t
-        sums = r.step_loss * r.valid.to(r.step_loss.dtype)  # per-step sums of soft cross entropy
-        (sums * scale).sum().backward()
-        totals += torch.stack([sums.detach().double().cpu(), r.valid.double().cpu(), r.correct.double().cpu(),
-                               r.conditional_valid.double().cpu(), r.conditional_correct.double().cpu()])
+        for piece, flag in unpadded_pieces(b, flags[j]):
+            if kept is not None and kept[0] == j:
+                t = kept[1]
+                kept = None
+            else:
+                t = teacher_targets(piece, draft, target_head, trained_only=True, argmax_in_draft=flag)
+            autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+            with autocast:
+                r = ttt_loss(draft, piece, steps=ttt_steps, decay=decay, teacher=t)  # type: ignore[arg-type]
+            del t
+            sums = r.step_loss * r.valid.to(r.step_loss.dtype)  # per-step sums of soft cross entropy
+            (sums * scale).sum().backward()
+            totals += torch.stack([sums.detach().double().cpu(), r.valid.double().cpu(), r.correct.double().cpu(),
+                                   r.conditional_valid.double().cpu(), r.conditional_correct.double().cpu()])
     for p in params:  # a process whose slots were all empty still takes part in the reduction
         if p.grad is None:
             p.grad = torch.zeros_like(p)
