@@ -34,7 +34,8 @@ from storage.lineage import LineageError, LineageStore
 from storage.shards import ShardStore
 from tasks.chat import Sample, tokenise_rows
 from tasks.config import TrainConfig
-from tasks.draft_model import DraftConfig, Eagle3Draft, collate, load_target_embeddings, target_head_weight
+from tasks.draft_model import DraftConfig, Eagle3Draft, load_target_embeddings, target_head_weight
+from tasks.ttt import collate
 from tasks.export import export_sglang, export_speculators
 from tasks.export_gguf import GGUF_FILE, export_gguf, llamacpp_converter, target_folder_for
 from tasks.extract import Extracted, ExtractSettings, build_extractor

@@ -28,7 +28,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from storage.datasets import write_folder_atomically
-from tasks.draft_model import Batch, Eagle3Draft, counted_mask, teacher_argmax_in_draft, teacher_targets, ttt_loss
+from tasks.draft_model import Eagle3Draft
+from tasks.ttt import Batch, counted_mask, teacher_argmax_in_draft, teacher_targets, ttt_loss
 
 CHECKPOINT_PREFIX = "step-"
 MODEL_FILE = "model.safetensors"

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tasks.draft_model import (Batch, DraftConfig, Eagle3Draft, collate, load_target_embeddings, step_targets,
-                               step_valid_mask, target_head_weight, teacher_targets, ttt_attention,
-                               ttt_attention_mask, ttt_loss)
+from tasks.draft_model import (DraftConfig, Eagle3Draft, load_target_embeddings, target_head_weight, ttt_attention,
+                               ttt_attention_mask)
+from tasks.ttt import Batch, collate, step_targets, step_valid_mask, teacher_targets, ttt_loss
 from tasks.extract import Extracted, ExtractSettings, HFExtractor, default_aux_layer_ids
 
 TARGET_CACHE = Path(tempfile.gettempdir()) / "eagle3-test-targets"  # shared with the other test modules

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks.draft_model import Batch, DraftConfig, Eagle3Draft, collate, teacher_targets, ttt_loss
+from tasks.draft_model import DraftConfig, Eagle3Draft
+from tasks.ttt import Batch, collate, teacher_targets, ttt_loss
 from tasks.extract import Extracted
 
 V = H = 64  # hidden size = vocab, so a step's hidden state can spell out its answer

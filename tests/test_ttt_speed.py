@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 
 import tasks.draft_model as dm
-from tasks.draft_model import (Batch, DraftConfig, Eagle3Draft, _shift_left, collate, load_target_embeddings,
-                               target_head_weight, teacher_targets, ttt_attention, ttt_attention_mask, ttt_loss)
+from tasks.draft_model import (DraftConfig, Eagle3Draft, _shift_left, load_target_embeddings, target_head_weight,
+                               ttt_attention, ttt_attention_mask)
+from tasks.ttt import Batch, collate, teacher_targets, trained_teacher_positions, ttt_loss
 from tasks.train import make_optimizer, train_step
 
 TARGET_CACHE = Path(tempfile.gettempdir()) / "eagle3-test-targets"  # shared with the other test modules
@@ -229,7 +230,7 @@ def test_teacher_flags_are_bit_identical_and_probs_equal(smol_setup):
     assert torch.equal(small.argmax_in_draft, want_flags)
     # trained_only: identical where a step can count a position
     trained = teacher_targets(batch, draft, head, trained_only=True)
-    where = dm.trained_teacher_positions(batch)
+    where = trained_teacher_positions(batch)
     assert torch.equal(trained.argmax_in_draft[where], want_flags[where])
     assert torch.equal(trained.probs[where], want_probs[where])
 
