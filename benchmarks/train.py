@@ -37,14 +37,15 @@ the data order the flow uses) that holds at least 90% real tokens; its samples a
    (non-pad) tokens; the positions trained at step 0 are shown too.
 2. Where the overhead goes, each piece timed on the same batch and shapes:
    - in the ttt runs themselves (timers wrapped around `tasks.train.teacher_targets` and
-     `tasks.train.step_valid_mask`): the teacher, and the counting pass (7 `step_valid_mask`).
+     `tasks.train.teacher_argmax_in_draft`): the teacher, and the counting pass's flags of the
+     micro-batches after the first (none with one micro-batch: the first's teacher is kept).
    - attention, forward+backward of 7 steps on random q/k/v of the batch's shapes:
      `ttt_attention` over the growing cache, `ttt_attention` over this step's keys only (the
      implementation without the cache) and SDPA (what bare runs).
-   - loss, forward+backward of 7 steps from fixed logits (random [B, T, draft vocab] leaves):
-     the real `ttt_loss` (a stand-in draft yields the logits; teacher precomputed) with
-     train_step's normalisation, against the bare hard cross entropy. Within it: the metrics
-     block (a copy of ttt_loss's no_grad lines: argmaxes, chain) and `step_targets` x 7.
+   - head and loss, forward+backward of 7 steps from fixed hidden states (random [B, T, H]
+     leaves): the real `ttt_loss` (a stand-in draft yields the hidden states; the draft's `norm`
+     and `lm_head`, teacher precomputed) with train_step's normalisation, against `norm`,
+     `lm_head` and the bare hard cross entropy over every position.
    The pieces' deltas are summed and set against the measured overhead; the rest is "other".
 3. Peak memory. Each variant runs one step (the first: optimizer state created) in a fresh
    subprocess that loads the same batch from a file. CPU: the step's peak RSS (VmHWM, reset through
@@ -68,6 +69,8 @@ seconds mean anything and every timer synchronises.
     .venv/bin/python benchmarks/train.py --max-length 512   # the same 2,048 tokens as 4 x 512 samples
     .venv/bin/python benchmarks/train.py --draft-vocab 32000 --repeats 2   # the config default vocab (~2x slower)
     .venv/bin/python benchmarks/train.py --profile          # also: torch.profiler top ops of one step each
+
+The speedup of this tree over an earlier commit on the demo's settings is benchmarks/train_speedup.py.
 """
 
 from __future__ import annotations
@@ -99,18 +102,9 @@ from safetensors.torch import load_file, save_file
 import tasks.draft_model as dm
 from report import Clock, load, mib, table  # benchmarks/report.py
 import tasks.train as tr
-from tasks.draft_model import (
-    Batch,
-    DraftConfig,
-    Eagle3Draft,
-    _rotate_half,
-    _shift_left,
-    collate,
-    load_target_embeddings,
-    teacher_targets,
-    ttt_attention,
-    ttt_loss,
-)
+import tasks.ttt as ttt_mod
+from tasks.draft_model import DraftConfig, Eagle3Draft, _rotate_half, _shift_left, load_target_embeddings, ttt_attention
+from tasks.ttt import Batch, collate, teacher_targets, ttt_loss
 from tasks.train import Item, epoch_batches, make_optimizer, train_step
 
 TTT_STEPS = 7
@@ -379,8 +373,7 @@ def attention_pieces(s: Setup, device: torch.device) -> dict[str, Callable[[], N
     ks = [rnd(b, c.num_key_value_heads, t, c.head_dim).requires_grad_() for _ in range(TTT_STEPS)]
     vs = [rnd(b, c.num_key_value_heads, t, c.head_dim).requires_grad_() for _ in range(TTT_STEPS)]
     grads = [rnd(b, c.num_attention_heads, t, c.head_dim) for _ in range(TTT_STEPS)]
-    mask = s.batch.attention_mask.to(device)
-    step0 = torch.ones(t, t, dtype=torch.bool, device=device).tril()[None] & mask.bool()[:, None, :]
+    mask = s.batch.attention_mask.to(device).bool()
 
     def run(attend: Callable[[int], torch.Tensor]) -> Callable[[], None]:
         def f() -> None:
@@ -390,44 +383,43 @@ def attention_pieces(s: Setup, device: torch.device) -> dict[str, Callable[[], N
             torch.autograd.backward(outs, grads)
         return f
     return {
-        "ttt_attention, cache": run(lambda i: ttt_attention(qs[i], ks[:i + 1], vs[:i + 1], step0)),
-        "ttt_attention, no cache": run(lambda i: ttt_attention(qs[i], ks[i:i + 1], vs[i:i + 1], step0)),
+        "ttt_attention, cache": run(lambda i: ttt_attention(qs[i], ks[:i + 1], vs[:i + 1], mask)),
+        "ttt_attention, no cache": run(lambda i: ttt_attention(qs[i], ks[i:i + 1], vs[i:i + 1], mask)),
         "SDPA (bare)": run(lambda i: F.scaled_dot_product_attention(qs[i], ks[i], vs[i], is_causal=True,
                                                                      enable_gqa=True)),
     }
 
 
-class _LogitsOnly:
-    """Stands in for the draft in `ttt_loss`: yields fixed logits, so only the loss's own work runs."""
+class _HiddenOnly:
+    """Stands in for the draft in `ttt_loss`: yields fixed pre-norm hidden states, so only the head and the loss run."""
 
-    def __init__(self, draft: Eagle3Draft, logits: list[torch.Tensor]) -> None:
-        self.d2t, self.config, self.logits = draft.d2t, draft.config, logits
+    def __init__(self, draft: Eagle3Draft, hidden: list[torch.Tensor]) -> None:
+        self.d2t, self.config, self.hidden = draft.d2t, draft.config, hidden
+        self.norm, self.lm_head = draft.norm, draft.lm_head
 
-    def steps(self, aux_hidden, input_ids, attention_mask=None, steps=TTT_STEPS):
-        for i in range(steps):
-            yield None, self.logits[i]
+    def hidden_steps(self, aux_hidden, input_ids, attention_mask=None, steps=TTT_STEPS):
+        yield from self.hidden[:steps]
 
 
 def loss_pieces(s: Setup, device: torch.device) -> dict[str, Callable[[], None]]:
-    """Forward+backward of the 7 steps' losses from fixed logits; the metrics block and step_targets alone."""
+    """Forward+backward of the 7 steps' norm + lm_head + loss from fixed hidden states (random leaves)."""
     draft, _ = build(s, device)
     batch = s.batch.to(device)
-    teacher = teacher_targets(batch, draft, s.head.to(device))
+    teacher = teacher_targets(batch, draft, s.head.to(device), trained_only=True)
     b, t = batch.input_ids.shape
-    v = s.dcfg.draft_vocab_size
     g = torch.Generator().manual_seed(2)
-    logits = [(torch.randn(b, t, v, generator=g) * 2).to(device).requires_grad_() for _ in range(TTT_STEPS)]
-    counts = torch.tensor([float(dm.step_valid_mask(batch, teacher, i).sum()) for i in range(TTT_STEPS)],
+    hidden = [torch.randn(b, t, s.dcfg.hidden_size, generator=g).to(device).requires_grad_() for _ in range(TTT_STEPS)]
+    counts = torch.tensor([float(ttt_mod.step_valid_mask(batch, teacher, i).sum()) for i in range(TTT_STEPS)],
                           dtype=torch.float64)
     weights = torch.tensor([DECAY ** i for i in range(TTT_STEPS)], dtype=torch.float64)
     scale = (weights / counts.clamp_min(1)).float().to(device)
-    stand_in = _LogitsOnly(draft, logits)
+    stand_in = _HiddenOnly(draft, hidden)
     to_draft = draft.target_to_draft()
-    targets = [dm.step_targets(batch, teacher, i) for i in range(TTT_STEPS)]
 
     def clear() -> None:
-        for x in logits:
+        for x in hidden:
             x.grad = None
+        draft.zero_grad(set_to_none=True)
 
     def ttt() -> None:
         clear()
@@ -438,26 +430,11 @@ def loss_pieces(s: Setup, device: torch.device) -> dict[str, Callable[[], None]]
         clear()
         loss = torch.zeros((), device=device)
         for i in range(TTT_STEPS):
-            loss = loss + DECAY ** i * hard_ce(logits[i], hard_labels(batch, to_draft, i))
+            logits = draft.lm_head(draft.norm(hidden[i]))
+            loss = loss + DECAY ** i * hard_ce(logits, hard_labels(batch, to_draft, i))
         loss.backward()
 
-    @torch.no_grad()
-    def metrics() -> None:  # ttt_loss's no_grad block, p and valid given
-        chain_ok = torch.ones_like(batch.attention_mask, dtype=torch.bool)
-        out = []
-        for i, (p, valid) in enumerate(targets):
-            right = (logits[i].argmax(-1) == p.argmax(-1)) & valid
-            cond = chain_ok & valid
-            out += [valid.sum(), right.sum(), cond.sum(), (cond & right).sum()]
-            chain_ok = cond & right
-        torch.stack(out).tolist()
-
-    def step_targets() -> None:
-        for i in range(TTT_STEPS):
-            dm.step_targets(batch, teacher, i)
-
-    return {"ttt_loss (soft CE + targets + metrics)": ttt, "hard CE (bare)": hard,
-            "  of which: metrics block": metrics, "  of which: step_targets x 7": step_targets}
+    return {"ttt_loss: norm + lm_head + soft CE + metrics": ttt, "bare: norm + lm_head + hard CE": hard}
 
 
 # ---------------------------------------------------------------- memory (part 3, a fresh process per variant)
@@ -607,7 +584,7 @@ def main() -> int:
     fns = make_steps(s, device, last)
     probe = Probe(sync)
     probe.wrap(tr, "teacher_targets", "teacher")
-    probe.wrap(tr, "step_valid_mask", "counting")
+    probe.wrap(tr, "teacher_argmax_in_draft", "counting")
     print(f"\npart 1: one warm-up of each, then {args.repeats} rounds (order rotated)", flush=True)
     runs, probed = timed_rounds(fns, args.repeats, sync, probe, label="step")
     probe.remove()
@@ -648,11 +625,12 @@ def main() -> int:
         r = probed.get(f"ttt.{key}")
         return getattr(r, clock) if r else 0.0
     pieces.append(("teacher_targets (in situ, per step)", pget("teacher"), 0.0))
-    pieces.append(("counting pass: step_valid_mask x 7 (in situ)", pget("counting"), 0.0))
+    pieces.append(("counting pass: other micro-batches' flags (in situ)", pget("counting"), 0.0))
     a_ttt, a_sdpa = getattr(att["ttt_attention, cache"], clock), getattr(att["SDPA (bare)"], clock)
     pieces.append(("attention fwd+bwd x 7: ttt_attention with cache vs SDPA", a_ttt, a_sdpa))
-    l_ttt, l_hard = getattr(lss["ttt_loss (soft CE + targets + metrics)"], clock), getattr(lss["hard CE (bare)"], clock)
-    pieces.append(("loss fwd+bwd x 7: ttt_loss vs hard CE", l_ttt, l_hard))
+    l_ttt = getattr(lss["ttt_loss: norm + lm_head + soft CE + metrics"], clock)
+    l_hard = getattr(lss["bare: norm + lm_head + hard CE"], clock)
+    pieces.append(("head + loss fwd+bwd x 7: ttt_loss vs hard CE", l_ttt, l_hard))
     explained = sum(x - y for _, x, y in pieces)
     rows = [[n, f"{x:.2f}", f"{y:.2f}", f"{x - y:+.2f}", f"{(x - y) / bare_s:+.1%}",
              f"{(x - y) / measured:.0%}" if measured > 0 else "-"] for n, x, y in pieces]
