@@ -204,10 +204,12 @@ def run_training(config: TrainConfig, store: LineageStore, run_id: str, dist: Di
 
     def checkpoint() -> None:
         if dist.main:
-            summary.checkpoint = str(save_checkpoint(ckpt_root, draft, optimizer, state, run_identity,
-                                                     config.keep_checkpoints))
+            # Metrics first: a kill between the two then leaves rows for steps the resume redoes (and
+            # replaces, keyed by step), never a checkpoint whose steps' rows were lost.
             store.write_train_metrics(run_id, config.run_name, pending_metrics)
             pending_metrics.clear()
+            summary.checkpoint = str(save_checkpoint(ckpt_root, draft, optimizer, state, run_identity,
+                                                     config.keep_checkpoints))
         dist.barrier()
 
     pending_metrics: list[dict] = []
