@@ -37,11 +37,13 @@ T = TypeVar("T")
 # a parent killed with SIGKILL runs no cleanup, and a server left behind in its own session would
 # hold the port. (PR_SET_PDEATHSIG would fire when the starting *thread* ends, e.g. a worker
 # thread of a pool.) The watcher ends the way the server ended, signal included, so a SIGILL
-# still reads as SIGILL to `describe_exit`.
+# still reads as SIGILL to `describe_exit`. A SIGTERM to the group waits for the server to end, so
+# `stop()` returns once the server has closed its port, not when the watcher alone has died.
 _WATCH_PARENT = (
     "import os, signal, subprocess, sys, threading, time\n"
     "parent = int(sys.argv[1])\n"
     "child = subprocess.Popen(sys.argv[2:])\n"
+    "signal.signal(signal.SIGTERM, lambda *_: child.terminate())\n"
     "def watch():\n"
     "    while os.getppid() == parent:\n"
     "        time.sleep(0.5)\n"
