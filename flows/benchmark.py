@@ -3,7 +3,7 @@
 Orchestration only: pick the draft (the latest export in lineage, or the one named), refuse it
 unless the doctor passes, measure offline acceptance with the baselines in the same table (prompt
 lookup, and the same draft fed only the final state, i.e. what `--speculative-algorithm EAGLE`
-produces), optionally benchmark running servers (probe first, then every concurrency level, then
+produces) on HumanEval, the workspace's held-out chat prompts (`heldout_chat`) and named sets, optionally benchmark running servers (probe first, then every concurrency level, then
 break-even), optionally start llama.cpp's llama-server here and measure the draft's GGUF export on
 it (`serving`: the baseline, the draft at each K, n-gram drafting; lossless check, break-even, and
 online vs offline acceptance), and store every number in `benchmark_results` linked to the
@@ -67,6 +67,7 @@ def _benchmark(config: BenchConfig, store: LineageStore, run_id: str, logger) ->
     from serving.doctor import expected_aux_layer_ids_from_lineage, run_doctor
     from tasks.export import load_sglang
     from tasks.evaluate import benchmark_sets, offline_acceptance
+    from tasks.heldout import heldout_set
 
     row = store.checkpoint_row(config.checkpoint) if config.checkpoint else store.checkpoint_row(fmt="sglang")
     draft_dir = Path(config.checkpoint) if config.checkpoint else Path(row["path"]) if row else None
@@ -99,6 +100,11 @@ def _benchmark(config: BenchConfig, store: LineageStore, run_id: str, logger) ->
     draft = load_sglang(draft_dir, embed_tokens=model.get_input_embeddings().weight.detach(),
                         expected_aux_layer_ids=expected).to(model.device).eval()
     sets = benchmark_sets(config.humaneval, [(e.name, e.path) for e in config.eval_sets])
+    held = heldout_set(store.heldout_prompts()) if config.heldout else None
+    if held is not None:  # the workspace's held-out chat prompts, next to HumanEval, same serving template
+        sets.insert(1 if config.humaneval else 0, held)
+        logger.info("domain %s: %d held-out prompts (%d benchmarked)", held[0], len(held[1]),
+                    min(len(held[1]), config.prompts_per_domain))
     acceptance = offline_acceptance(model, tokenizer, draft, chat_template=identity.chat_template, sets=sets,
                                     limit=config.prompts_per_domain, k=config.draft_tokens,
                                     max_new_tokens=config.max_new_tokens, baselines=config.baselines)

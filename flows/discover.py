@@ -57,7 +57,8 @@ def workspace_paths(workspace: str | Path) -> tuple[Path, Path]:
 
 @flow(name="discover", log_prints=True)
 def discover(config: DiscoverConfig) -> DiscoverSummary:
-    """Read every source, keep new, clean, unique, uncontaminated prompts; record every record's outcome."""
+    """Read every source, keep new, clean, unique, uncontaminated prompts (holding some out for evaluation);
+    record every record's outcome."""
     logger = get_run_logger()
     db_path, dataset_path = workspace_paths(config.workspace)
     store = LineageStore(db_path)
@@ -117,7 +118,7 @@ def _discover(config: DiscoverConfig, store: LineageStore, summary: DiscoverSumm
             chunk = new_records[b * batch_records : (b + 1) * batch_records]
             if not chunk:
                 break
-            batch = decide_task(chunk, formats, store, config.near_dedupe, index)
+            batch = decide_task(chunk, formats, store, config.near_dedupe, index, config.heldout)
             store.write_discover_batch(summary.run_id, batch.records, batch.prompts, batch.minhash)
             bar.advance(job, len(chunk))
             update_progress_artifact(artifact_id, progress=100.0 * (b + 1) / n_batches)
@@ -130,7 +131,8 @@ def _discover(config: DiscoverConfig, store: LineageStore, summary: DiscoverSumm
     create_table_artifact(
         key="discover-outcomes",
         table=outcome_table(summary),
-        description=f"discover run {summary.run_id}: records in = kept + duplicates + contaminated + quarantined",
+        description=f"discover run {summary.run_id}: records in = kept + heldout + duplicates + contaminated + "
+                    "quarantined",
     )
 
 

@@ -210,6 +210,7 @@ def report_rows(r: dict) -> list[dict]:
         ("records kept / exact dup / near dup / contaminated / quarantined",
          " / ".join(str(r["record_outcomes"].get(k, 0))
                     for k in ("kept", "exact_duplicate", "near_duplicate", "contaminated", "quarantined"))),
+        ("records held out for evaluation (heldout_chat)", r["record_outcomes"].get("heldout", 0)),
         ("generations (completion tokens)", f"{r['generations']} ({r['completion_tokens']:,})"),
         ("prompts failed at the server", r["failed_prompts"]),
         ("samples extracted / quarantined / skipped",

@@ -2,7 +2,7 @@
 
 Owns every write and stage read of the lineage file, by stage (runs, discover, regenerate,
 extract, train, benchmark); the file's locks and migrations are `storage.connection`'s, the
-reports `storage.reports`', the schema `storage.schema`'s. Promises:
+reports `storage.reports`' and `storage.evaluation`'s, the schema `storage.schema`'s. Promises:
 - No process keeps the file open for a whole stage: each call is one short transaction (a
   write) or one read-only open, so flows in separate Prefect processes and `eagle3 sql` interleave.
 - A write is one transaction: after a crash, `kill -9` included, it is there whole or not at all.
@@ -23,6 +23,7 @@ import pyarrow as pa
 
 from storage.connection import DuckDBFile, StoreLocking, _now
 from storage.errors import LineageError
+from storage.evaluation import EvaluationReads
 from storage.reports import LineageReports
 from storage.schema import BENCH_ROWS, GENERATION_ROWS, METRIC_ROWS, PROMPT_ROWS, SAMPLE_ROWS
 
@@ -39,8 +40,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class LineageStore(DuckDBFile, LineageReports):
-    """Every write and stage read of the lineage file (the reports are in `storage.reports`)."""
+class LineageStore(DuckDBFile, LineageReports, EvaluationReads):
+    """Every write and stage read of the lineage file (reports: `storage.reports`, `storage.evaluation`)."""
 
     # ------------------------------------------------------------ runs
 
@@ -249,7 +250,7 @@ class LineageStore(DuckDBFile, LineageReports):
     # ------------------------------------------------------------ regenerate
 
     def pending_prompts(self, params_key: str, retry_failed: bool, limit: int | None) -> list[tuple[str, list[dict]]]:
-        """Prompts with no generation under `params_key` (and, unless retrying, no recorded failure)."""
+        """Prompts with no generation under `params_key` (and, unless retrying, no recorded failure); never held-out ones."""
         if not self.path.exists():
             return []
         skip_failed = "" if retry_failed else (
@@ -259,6 +260,7 @@ class LineageStore(DuckDBFile, LineageReports):
         sql = (
             "SELECT p.prompt_id, p.messages FROM prompts p "
             "WHERE NOT EXISTS (SELECT 1 FROM generations g WHERE g.prompt_id = p.prompt_id AND g.params_key = ?) "
+            "AND NOT EXISTS (SELECT 1 FROM records r WHERE r.prompt_id = p.prompt_id AND r.outcome = 'heldout') "
             f"{skip_failed} ORDER BY p.created_at, p.prompt_id"
         )
         if limit is not None:

@@ -14,7 +14,7 @@ import pyarrow as pa
 from storage.datasets import GENERATION_FILE_SCHEMA
 from storage.migrations import MIGRATIONS  # noqa: F401  (re-exported: callers import it from here)
 
-OUTCOMES = ("kept", "exact_duplicate", "near_duplicate", "contaminated", "quarantined")
+OUTCOMES = ("kept", "heldout", "exact_duplicate", "near_duplicate", "contaminated", "quarantined")
 
 
 # Questions a person asks of a pipeline's lineage; `eagle3 run` prints them with their answers.

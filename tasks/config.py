@@ -79,6 +79,18 @@ class DecontaminateConfig(Strict):
     eval_sets: list[EvalSetConfig] = Field(default_factory=list)
 
 
+class HeldoutConfig(Strict):
+    """The held-out chat set: kept prompts reserved for evaluation, never regenerated for training.
+
+    A new prompt is held out when a hash of its prompt id falls below `fraction`, while fewer than
+    `cap` prompts are held out in the workspace (tasks.heldout). Decided once, like every outcome.
+    """
+
+    fraction: float = Field(default=0.0, ge=0, le=0.5, description=(
+        "Share of new kept prompts held out for evaluation (by prompt-id hash); 0: none."))
+    cap: int = Field(default=256, ge=0, description="At most this many held-out prompts in the workspace.")
+
+
 class DiscoverConfig(Strict):
     """Parameters of the `discover` flow (the Prefect UI renders this as its form)."""
 
@@ -90,6 +102,7 @@ class DiscoverConfig(Strict):
     sources: list[SourceConfig] = Field(min_length=1)
     near_dedupe: NearDedupeConfig = Field(default_factory=NearDedupeConfig)
     decontaminate: DecontaminateConfig = Field(default_factory=DecontaminateConfig)
+    heldout: HeldoutConfig = Field(default_factory=HeldoutConfig)
     write_batch_records: int = Field(
         default=20_000, ge=1, description="Records decided and committed per transaction."
     )
@@ -403,6 +416,11 @@ class BenchConfig(Strict):
     humaneval: bool = True
     eval_sets: list[EvalSetConfigRef] = Field(default_factory=list)
     baselines: bool = Field(default=True, description="Prompt lookup and the final-state-only draft in the same table.")
+    heldout: bool = Field(default=True, description=(
+        "Benchmark the workspace's held-out chat prompts (discover.heldout) as the domain `heldout_chat`."))
+    every_round: bool = Field(default=False, description=(
+        "In the pipeline, benchmark each training round's export (one acceptance-curve point per round), "
+        "not only the last one."))
     online: OnlineBenchConfig | None = None
     serving: ServingBenchConfig | None = Field(default=None, description=(
         "Start llama-server here and measure the draft on it (tok/s, TTFT, acceptance, lossless, break-even)."))

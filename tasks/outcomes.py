@@ -1,7 +1,7 @@
-"""Deciding each record's outcome in discover: quarantined, contaminated, duplicate or kept.
+"""Deciding each record's outcome in discover: quarantined, contaminated, duplicate, kept or held out.
 
 Owns the order of the checks and the rows they produce. Promises: every record passed in gets
-exactly one outcome row, so records in = kept + exact + near + contaminated + quarantined.
+exactly one outcome row, so records in = kept + heldout + exact + near + contaminated + quarantined.
 
 The order, and why:
 1. quarantined: the record is unreadable or is not a usable conversation (tasks.prompts).
@@ -11,10 +11,13 @@ The order, and why:
    earlier batch, or appeared earlier in the batch.
 4. near_duplicate: MinHash/LSH finds an earlier kept prompt (stored or in this batch) at or above
    the Jaccard threshold; `duplicate_of` names the kept prompt heading its cluster.
-5. kept.
+5. heldout: a prompt that would be kept, chosen for the held-out chat set by a hash of its id
+   (tasks.heldout; only when a split is configured). Stored like a kept prompt, so later
+   duplicates of it are duplicates, but never regenerated or trained on.
+6. kept.
 
-`duplicate_of` always names a kept prompt (kept in this batch, or stored, and stored prompts are
-only ever kept ones), never a prompt that was itself a duplicate: chains are resolved here, when
+`duplicate_of` always names a kept (or held-out) prompt (kept in this batch, or stored, and stored
+prompts are only ever kept or held-out ones), never a prompt that was itself a duplicate: chains are resolved here, when
 the outcome is decided. So an exact twin of a record that turned out a near duplicate (in this
 batch or an earlier one) names the kept prompt its twin duplicates, with its twin's similarity;
 its own `prompt_id` still says which text it is. The outcome stays `exact_duplicate` (its text was
@@ -28,9 +31,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from storage.lineage import LineageStore
-from tasks.config import NearDedupeConfig
+from tasks.config import HeldoutConfig, NearDedupeConfig
 from tasks.decontaminate import NgramIndex
 from tasks.dedupe import band_keys, cluster, lsh_params, signatures
+from tasks.heldout import choose_heldout, split_key
 from tasks.prompts import Prompt, Quarantine, normalise_record, prompt_text
 from tasks.sources import RawRecord
 
@@ -84,10 +88,12 @@ def decide_outcomes(
     store: LineageStore,
     near: NearDedupeConfig,
     contamination: NgramIndex | None,
+    heldout: HeldoutConfig | None = None,
 ) -> DiscoverBatch:
-    """Outcome rows, kept prompt rows and MinHash index rows for one batch of new records.
+    """Outcome rows, kept (and held-out) prompt rows and MinHash index rows for one batch of new records.
 
-    `formats` maps a source name to (format, prompt_field, response_field).
+    `formats` maps a source name to (format, prompt_field, response_field). `heldout`: the held-out
+    split; its cap counts the held-out prompts already stored.
     """
     rows: list[dict | None] = [None] * len(records)
     candidates: list[tuple[int, Prompt]] = []
@@ -174,10 +180,18 @@ def decide_outcomes(
             rows[i] = _row(records[i], "exact_duplicate", p, duplicate_of=p.prompt_id,
                            reason="same canonical text as an earlier record of this batch")
 
+    held: set[str] = set()
+    if heldout is not None and heldout.fraction > 0 and kept:
+        room = heldout.cap - store.heldout_count()
+        held = set(choose_heldout([p.prompt_id for _, p in kept], heldout.fraction, room))
     prompts = []
     for i, p in kept:
         note = f"dropped {p.dropped_leading_assistant} assistant turn(s) before the first user turn" if p.dropped_leading_assistant else None
-        rows[i] = _row(records[i], "kept", p, reason=note)
+        if p.prompt_id in held:
+            why = f"held out for evaluation (split key {split_key(p.prompt_id):.4f} < {heldout.fraction})"
+            rows[i] = _row(records[i], "heldout", p, reason=f"{why}; {note}" if note else why)
+        else:
+            rows[i] = _row(records[i], "kept", p, reason=note)
         prompts.append({
             "prompt_id": p.prompt_id,
             "messages": p.messages,

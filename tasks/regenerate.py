@@ -287,17 +287,19 @@ async def regenerate_all(
     return done_gen, done_fail, done_defer
 
 
-def imported_generations(records: list[RawRecord], outcome_rows: list[dict], spec: GenerationSpec, have: set[str]) -> list[dict]:
+def imported_generations(records: list[RawRecord], outcome_rows: list[dict], spec: GenerationSpec, have: set[str],
+                         heldout: set[str] = frozenset()) -> list[dict]:
     """Generation rows for imported conversations the target already wrote.
 
     Only records discover kept or found to be exact duplicates qualify (contaminated and near
-    duplicates do not), only conversations that end with an answer, and one per prompt that has
-    no generation yet (`have`: generation ids already stored).
+    duplicates do not), never an exact duplicate of a held-out prompt (`heldout`: held-out prompt
+    ids), only conversations that end with an answer, and one per prompt that has no generation
+    yet (`have`: generation ids already stored).
     """
     out = []
     seen = set(have)
     for rec, row in zip(records, outcome_rows):
-        if row["outcome"] not in ("kept", "exact_duplicate"):
+        if row["outcome"] not in ("kept", "exact_duplicate") or row["duplicate_of"] in heldout:
             continue
         full = normalise_record(rec.data, keep_final_answer=True)
         if not isinstance(full, Prompt) or full.messages[-1]["role"] != "assistant":
@@ -352,7 +354,8 @@ def import_finished_generations(imp: ImportConfig, index: int, writer: Generatio
         return 0, 0, report.stop_reason
     batch = decide_outcomes(records, {source: ("auto", "prompt", "response")}, store, imp.near_dedupe,
                             build_index(imp.decontaminate))
-    candidates = imported_generations(records, batch.records, spec, set())
+    heldout = store.heldout_among(sorted({r["duplicate_of"] for r in batch.records if r["duplicate_of"]}))
+    candidates = imported_generations(records, batch.records, spec, set(), heldout)
     have = store.existing_generation_ids([g["generation_id"] for g in candidates])
     gens = [g for g in candidates if g["generation_id"] not in have]
     writer.write(gens, [], name=f"import-{index}-{imp.name}-{writer.run_id[:12]}.parquet",

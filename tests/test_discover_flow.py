@@ -90,7 +90,7 @@ def test_every_record_gets_its_outcome_and_counts_reconcile(prefect_api, tmp_pat
     summary = discover(catalog_config(tmp_path, workspace))
     assert outcomes(workspace) == expected
     assert summary.reconciles and summary.records_in == len(expected)
-    assert summary.outcomes == {"kept": 4, "exact_duplicate": 3, "near_duplicate": 1, "contaminated": 1, "quarantined": 5}
+    assert summary.outcomes == {"kept": 4, "heldout": 0, "exact_duplicate": 3, "near_duplicate": 1, "contaminated": 1, "quarantined": 5}
     assert any("file ends inside record #7" in t for t in summary.truncated_sources)
 
     store = LineageStore(workspace / "lineage.duckdb")
