@@ -7,7 +7,8 @@ produces) on HumanEval, the workspace's held-out chat prompts (`heldout_chat`) a
 break-even), optionally start llama.cpp's llama-server here and measure the draft's GGUF export on
 it (`serving`: the baseline, the draft at each K, n-gram drafting; lossless check, break-even, and
 online vs offline acceptance), and store every number in `benchmark_results` linked to the
-checkpoint, with Prefect table artifacts and PNG plots. The measuring is in tasks/evaluate.py,
+checkpoint, with Prefect table artifacts and PNG plots, the workspace's acceptance curve
+(reports/acceptance_curve.png, from the view `acceptance_curve`) among them. The measuring is in tasks/evaluate.py,
 serving/online_bench.py and serving/engine_bench.py.
 """
 
@@ -49,6 +50,7 @@ class BenchSummary:
     serving_lines: list[str] = field(default_factory=list)  # verdict, break-even, lossless, online vs offline
     serving_png: str | None = None
     draft_gguf: str | None = None
+    curve_png: str | None = None  # the workspace's acceptance curve (reports/acceptance_curve.png), redrawn
 
 
 @flow(name="benchmark", log_prints=True)
@@ -67,6 +69,7 @@ def _benchmark(config: BenchConfig, store: LineageStore, run_id: str, logger) ->
     from serving.doctor import expected_aux_layer_ids_from_lineage, run_doctor
     from tasks.export import load_sglang
     from tasks.evaluate import benchmark_sets, offline_acceptance
+    from tasks.curve import acceptance_curve_png
     from tasks.heldout import heldout_set
 
     row = store.checkpoint_row(config.checkpoint) if config.checkpoint else store.checkpoint_row(fmt="sglang")
@@ -130,6 +133,10 @@ def _benchmark(config: BenchConfig, store: LineageStore, run_id: str, logger) ->
                  summary.acceptance.get("eagle3"), logger)
     png = store.path.parent / "reports" / "benchmark" / f"{summary.bench_id}-acceptance.png"
     summary.plot_png = str(acceptance_png(acceptance, png))
+    curve = acceptance_curve_png(store.acceptance_curve(), store.path.parent / "reports" / "acceptance_curve.png")
+    if curve is not None:
+        summary.curve_png = str(curve.path)
+        logger.info("acceptance curve on %s (%s): %s", curve.domain, curve.config_label, curve.path)
     _artifacts(summary)
     return summary
 
@@ -315,6 +322,11 @@ def _artifacts(summary: BenchSummary) -> None:
         create_markdown_artifact(key="benchmark-serving-plot", markdown="# llama-server\n\n"
                                  + "\n".join(f"- {line}" for line in summary.serving_lines)
                                  + f"\n\n![tok/s and acceptance by config](data:image/png;base64,{data})")
+    if summary.curve_png:
+        data = base64.b64encode(Path(summary.curve_png).read_bytes()).decode()
+        create_markdown_artifact(key="acceptance-curve", markdown="# acceptance against training data\n\n"
+                                 "`eagle3 sql \"SELECT * FROM acceptance_curve\"` has every point.\n\n"
+                                 f"![acceptance curve](data:image/png;base64,{data})")
     if summary.plot_png:
         data = base64.b64encode(Path(summary.plot_png).read_bytes()).decode()
         create_markdown_artifact(key="benchmark-plot", markdown=f"# {summary.doctor}\n\n"

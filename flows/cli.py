@@ -550,9 +550,26 @@ def status(
     workspace: Optional[str] = WorkspaceOpt,
     format: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f"),
 ) -> None:
-    """Per-stage progress: done, pending, failed, tokens, rate, ETA."""
-    cols, rows = _read(_store(config, workspace).progress)
+    """Per-stage progress: done, pending, failed, tokens, rate, ETA; then the acceptance curve's latest point."""
+    store = _store(config, workspace)
+    cols, rows = _read(store.progress)
     _print_rows(cols, rows, format, title="progress")
+    if format is OutputFormat.table:  # csv/json stay one parsable table; the curve is `SELECT * FROM acceptance_curve`
+        latest = _read(store.acceptance_latest)
+        if latest:
+            _print_rows(*curve_point_view(latest), format, title="acceptance curve: latest point")
+
+
+def curve_point_view(rows: list[dict]) -> tuple[list[str], list[tuple]]:
+    """The latest point of the acceptance curve: what the draft was trained on, then each drafter's acceptance."""
+    cols = ["checkpoint", "train tokens", "convs", "domain", "drafter", "accept"]
+    out = []
+    for r in rows:
+        tokens = "-" if r["training_tokens"] is None else f"{r['training_tokens']:,}"
+        convs = "-" if r["training_conversations"] is None else f"{r['training_conversations']:,}"
+        al = r["acceptance_length"]
+        out.append((r["checkpoint"], tokens, convs, r["domain"], r["drafter"], "-" if al is None else f"{al:.2f}"))
+    return cols, out
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The `pipeline` flow: every stage in order, resumable from lineage after any failure.
 
 Orchestration only: discover -> regenerate -> rounds of (extract until the disk budget is full ->
-train, which deletes the shards it consumed) -> benchmark (the serving-contract doctor first). Each
+train, which deletes the shards it consumed; with `benchmark.every_round`, benchmark that round's
+export) -> benchmark (the serving-contract doctor first). Each
 stage is its own Prefect subflow and its own `runs` row, and skips what lineage records as done, so
 running the same pipeline again continues a multi-day run where it stopped; a stage that fails
 leaves every other stage's work committed. Prefect global concurrency limits share the machine:
@@ -140,25 +141,36 @@ def _stages(config: PipelineConfig, store: LineageStore, sizes: dict[str, int], 
         skipped("regenerate", "no regenerate section")
     done(2)
     if config.extract is not None and config.train is not None:
-        _rounds(config, sizes, summary, stage, logger)
+        _rounds(config, sizes, summary, stage, logger, store, skipped)
     else:
         skipped("extract+train", "needs both extract and train sections")
     done(3)
+    _benchmark_latest(config, store, sizes, stage, skipped, "benchmark")
+    done(4)
+
+
+def _benchmark_latest(config: PipelineConfig, store: LineageStore, sizes: dict[str, int], stage, skipped,
+                      name: str) -> None:
+    """Benchmark the latest export (or the configured checkpoint) unless this config already measured it."""
     bench = config.bench_section()
     latest = store.checkpoint_row(bench.checkpoint) if bench.checkpoint else store.checkpoint_row(fmt="sglang")
     if latest is None:
         raise LineageError("no exported draft to benchmark: the train stage exported none")
     already = store.benchmarked(latest["checkpoint"], config_hash(bench))
     if already:
-        skipped("benchmark", f"checkpoint {latest['checkpoint']} already benchmarked ({already})")
+        skipped(name, f"checkpoint {latest['checkpoint']} already benchmarked ({already})")
     else:
-        with held(GPU_LIMIT, 1, sizes, res):
-            stage("benchmark", benchmark_flow, bench)
-    done(4)
+        with held(GPU_LIMIT, 1, sizes, config.resources):
+            stage(name, benchmark_flow, bench)
 
 
-def _rounds(config: PipelineConfig, sizes: dict[str, int], summary: PipelineSummary, stage, logger) -> None:
-    """Extract until the budget is full, train (which frees the shards), again until nothing is left."""
+def _rounds(config: PipelineConfig, sizes: dict[str, int], summary: PipelineSummary, stage, logger,
+            store: LineageStore | None = None, skipped=None) -> None:
+    """Extract until the budget is full, train (which frees the shards), again until nothing is left.
+
+    With `benchmark.every_round`, each round's new export is benchmarked right after it (one point of
+    the acceptance curve per round).
+    """
     assert config.extract is not None and config.train is not None
     res = config.resources
     while True:
@@ -167,6 +179,9 @@ def _rounds(config: PipelineConfig, sizes: dict[str, int], summary: PipelineSumm
             ex = stage(f"extract (round {summary.rounds})", extract_flow, config.extract)
         with held(GPU_LIMIT, 1, sizes, res):
             tr = stage(f"train (round {summary.rounds})", train_flow, config.train)
+        bench = config.bench_section()
+        if store is not None and bench.every_round and not bench.checkpoint and tr.exports:
+            _benchmark_latest(config, store, sizes, stage, skipped, f"benchmark (round {summary.rounds})")
         if ex.stopped_by != "budget" or tr.stopped_by == "max_steps":
             return  # every pending sample is extracted and trained on (or a step/sample limit was reached)
         if ex.shards_written == 0 and tr.shards_deleted == 0:

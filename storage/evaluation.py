@@ -39,3 +39,28 @@ class EvaluationReads:
             return {r[0] for r in con.execute(
                 "SELECT DISTINCT r.prompt_id FROM records r JOIN ids_in USING (prompt_id) "
                 "WHERE r.outcome = 'heldout'").fetchall()}
+
+    def acceptance_curve(self) -> list[dict]:
+        """Every point of the view `acceptance_curve`, each training run in cumulative order."""
+        if not self.path.exists():
+            return []
+        with self.read() as con:
+            res = con.execute("SELECT * FROM acceptance_curve ORDER BY run_name, training_tokens NULLS FIRST, "
+                              "training_conversations NULLS FIRST, step, config_label, domain, drafter")
+            cols = [d[0] for d in res.description]
+            return [dict(zip(cols, r)) for r in res.fetchall()]
+
+    def acceptance_latest(self) -> list[dict]:
+        """The curve's latest point: every drafter's row of the newest measured EAGLE-3 point, on the
+        held-out chat domain when it was measured, else on all domains together."""
+        if not self.path.exists():
+            return []
+        with self.read() as con:
+            res = con.execute(
+                "WITH newest AS (SELECT checkpoint, config_label, domain FROM acceptance_curve "
+                "  WHERE drafter = 'eagle3' AND domain IN ('heldout_chat', 'all') "
+                "  ORDER BY measured_at DESC, domain = 'heldout_chat' DESC LIMIT 1) "
+                "SELECT a.* FROM acceptance_curve a JOIN newest n USING (checkpoint, config_label, domain) "
+                "ORDER BY a.drafter")
+            cols = [d[0] for d in res.description]
+            return [dict(zip(cols, r)) for r in res.fetchall()]
