@@ -176,6 +176,44 @@ def _free_port() -> int:
     return free_port()
 
 
+def test_each_round_is_benchmarked_on_heldout_chat_and_the_curve_grows(extracted, tmp_path, tiny_target):
+    """Held-out chat prompts in the workspace become the benchmark domain heldout_chat; after each training
+    round the new export's acceptance lands on the curve against the conversations trained on so far."""
+    import json
+
+    from flows.benchmark import benchmark
+    from flows.discover import discover
+    from tasks.config import BenchConfig, DiscoverConfig
+
+    ws = extracted
+    # round 2's conversations are imported first: an imports-only regenerate cannot run once prompts are pending
+    import_generations(ws, tmp_path, conversations(12, seed=12), name="more")
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": c["messages"][0]["content"]}]}) + "\n"
+                             for c in conversations(12, seed=99)))
+    d = discover(DiscoverConfig.model_validate({
+        "workspace": str(ws), "sources": [{"name": "chat", "kind": "file", "path": str(chats)}],
+        "decontaminate": {"enabled": False}, "heldout": {"fraction": 0.5, "cap": 3}}))
+    assert d.outcomes["heldout"] == 3 and d.reconciles
+    target = {"model_path": str(tiny_target), "dtype": "float32", "device": "cpu"}
+    bench = BenchConfig(workspace=str(ws), target=target, prompts_per_domain=1, max_new_tokens=8, draft_tokens=2)
+    s1 = train(train_config(ws, tiny_target, epochs=1))
+    b1 = benchmark(bench)
+    assert {r["domain"] for r in b1.rows} == {"humaneval", "heldout_chat", "all"}
+    assert extract(extract_config(ws, tiny_target, draft_vocab_size=256, shard_bytes=150_000)).extracted == 12
+    s2 = train(train_config(ws, tiny_target, epochs=1))
+    assert s2.rounds_done == 2
+    b2 = benchmark(bench)
+    store = LineageStore(ws / "lineage.duckdb")
+    points = [p for p in store.acceptance_curve() if p["drafter"] == "eagle3" and p["domain"] == "heldout_chat"]
+    assert [(p["checkpoint"], p["training_conversations"]) for p in points] == [
+        (b1.checkpoint, 24), (b2.checkpoint, 36)]
+    assert b1.checkpoint == f"t/sglang-step-{s1.step:08d}" and b2.checkpoint == f"t/sglang-step-{s2.step:08d}"
+    assert 0 < points[0]["training_tokens"] < points[1]["training_tokens"]
+    assert all(1.0 <= p["acceptance_length"] <= 3.0 for p in points)
+    assert Path(b2.curve_png) == ws / "reports" / "acceptance_curve.png" and Path(b2.curve_png).stat().st_size > 5000
+
+
 def test_online_mode_trains_without_writing_shards(prefect_api, tmp_path, workspace, tiny_target):
     import_generations(workspace, tmp_path, conversations(10, seed=13))
     # a budget too small for any shard: extract only builds and registers the draft vocab
