@@ -3,13 +3,14 @@
 Orchestration only: pick the draft (the latest export in lineage, or the one named), refuse it
 unless the doctor passes, measure offline acceptance with the baselines in the same table (prompt
 lookup, and the same draft fed only the final state, i.e. what `--speculative-algorithm EAGLE`
-produces) on HumanEval, the workspace's held-out chat prompts (`heldout_chat`) and named sets, optionally benchmark running servers (probe first, then every concurrency level, then
+produces) on HumanEval, the workspace's held-out chat prompts (`heldout_chat`) and named sets,
+optionally benchmark running servers (probe first, then every concurrency level, then
 break-even), optionally start llama.cpp's llama-server here and measure the draft's GGUF export on
 it (`serving`: the baseline, the draft at each K, n-gram drafting; lossless check, break-even, and
 online vs offline acceptance), and store every number in `benchmark_results` linked to the
 checkpoint, with Prefect table artifacts and PNG plots, the workspace's acceptance curve
-(reports/acceptance_curve.png, from the view `acceptance_curve`) among them. The measuring is in tasks/evaluate.py,
-serving/online_bench.py and serving/engine_bench.py.
+(reports/acceptance_curve.png, from the view `acceptance_curve`) among them. The measuring is in
+tasks/evaluate.py, serving/online_bench.py and serving/engine_bench.py.
 """
 
 from __future__ import annotations

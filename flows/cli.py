@@ -534,8 +534,8 @@ def lineage(
 
 @app.command()
 def sql(
-    query: str = typer.Argument(..., help="Read-only SQL on the lineage store (views: record_outcomes, progress, checkpoint_lineage, "
-                               "heldout_prompts, acceptance_curve)."),
+    query: str = typer.Argument(..., help="Read-only SQL on the lineage store (views: record_outcomes, progress, "
+                                "checkpoint_lineage, heldout_prompts, acceptance_curve)."),
     config: Path = ConfigOpt,
     workspace: Optional[str] = WorkspaceOpt,
     format: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f"),

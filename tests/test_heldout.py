@@ -47,8 +47,8 @@ def rows(ws: Path, sql: str) -> list[tuple]:
     return LineageStore(ws / "lineage.duckdb").query_readonly(sql)[1]
 
 
-def by_text(ws: Path) -> dict[str, tuple[str, str, str | None]]:
-    """First user message -> (outcome, prompt id, duplicate_of) of every decided record."""
+def outcome_rows(ws: Path) -> dict[tuple[str, str], tuple[str, str, str | None]]:
+    """(source, record key) -> (outcome, prompt id, duplicate_of) of every record with a prompt."""
     out = {}
     for src, key, outcome, pid, dup in rows(ws, "SELECT source, record_key, outcome, prompt_id, duplicate_of "
                                                 "FROM record_outcomes WHERE prompt_id IS NOT NULL"):
@@ -95,7 +95,7 @@ def test_discover_holds_out_by_hash_counts_reconcile_and_duplicates_of_heldout_a
     first = write_jsonl(tmp_path / "a.jsonl", originals + [edited(t, 75) for t in originals])
     s1 = discover(discover_config(workspace, {"a": first}, fraction=0.3, cap=100))
     assert s1.reconciles and s1.records_in == 60
-    decided = by_text(workspace)
+    decided = outcome_rows(workspace)
     roots = {decided[("a", f"L{i + 1}")][1]: i for i in range(30)}
     expected = {p for p in roots if split_key(p) < 0.3}
     held = {pid for o, pid, _ in decided.values() if o == "heldout"}
@@ -114,7 +114,7 @@ def test_discover_holds_out_by_hash_counts_reconcile_and_duplicates_of_heldout_a
                          + ["  " + t.upper() for t in held_texts] + fresh)
     s2 = discover(discover_config(workspace, {"a": first, "b": second}, fraction=0.3, cap=100))
     assert s2.reconciles and s2.records_in == 2 * len(held_texts) + 20
-    decided = by_text(workspace)
+    decided = outcome_rows(workspace)
     n = len(held_texts)
     for i, text in enumerate(held_texts):
         near, exact = decided[("b", f"L{i + 1}")], decided[("b", f"L{n + i + 1}")]
