@@ -23,7 +23,7 @@ the draft vocab (32,000 ids, for the top-k teacher) is counted from the whole po
    batch shapes cut to 64 tokens. Overhead = extraction / bare - 1 (target <= 10%), from medians,
    and paired: the median over rounds of extraction / bare of the same round. Where it goes is
    measured inside the same runs by timers around `HFExtractor._forward`, `_nonfinite`,
-   `quantize_fp8`, `HFExtractor._topk`, `pack_results`, safetensors' `save_file` and `file_sha256`
+   `quantize_fp8`, `TopkTeacher.fill`, `pack_results`, safetensors' `save_file` and `file_sha256`
    (a few calls per sample: negligible). The other two options run once each (for part 1), and so
    does a reference: the whole causal LM on the same batches (`model(...)`, bf16 logits at every
    position), the least any top-k teacher has to compute.
@@ -151,7 +151,7 @@ class Probe:
     """Accumulated wall and CPU seconds inside wrapped functions (module globals and class attributes).
 
     A wrapped function called inside another wrapped one is booked under `inner@outer` instead of
-    its own key, so no second is counted twice (`_nonfinite` also runs on the logits inside `_topk`).
+    its own key, so no second is counted twice (`_nonfinite` also runs on the logits inside `TopkTeacher.fill`).
     """
 
     def __init__(self) -> None:
@@ -189,12 +189,12 @@ class Probe:
 def install_probe() -> Probe:
     p = Probe()
     p.wrap(HFExtractor, "_forward", "forward_hs")
-    p.wrap(HFExtractor, "_topk", "topk")
+    p.wrap(extract_mod.TopkTeacher, "fill", "topk")
     p.wrap(extract_mod, "_nonfinite", "nonfinite")
     p.wrap(extract_mod, "quantize_fp8", "fp8")
     p.wrap(shards_mod, "_st_save_file", "save_file")
     p.wrap(shards_mod, "file_sha256", "sha256")
-    # `_topk` calls `F.linear` for its float32 logits; `tasks.extract` gets its own timed copy of
+    # `TopkTeacher.fill` calls `F.linear` for its float32 logits; `tasks.extract` gets its own timed copy of
     # torch.nn.functional, so the model's own layers (which call F.linear too) are not timed.
     real_f = extract_mod.F
     proxy = types.ModuleType("torch.nn.functional (timed)")

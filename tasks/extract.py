@@ -126,6 +126,116 @@ def _nonfinite(t: torch.Tensor) -> int:
     return int((~torch.isfinite(t)).sum())
 
 
+def precheck_samples(samples: list[Sample], vocab_size: int) -> list[Extracted | Quarantined | None]:
+    """Per sample: a `Quarantined` for a sample no engine should run (empty, ids outside the vocab), else None.
+
+    A sample whose ids and loss mask differ in length is a caller's bug, not bad data: it raises.
+    """
+    results: list[Extracted | Quarantined | None] = [None] * len(samples)
+    for i, (ids, mask) in enumerate(samples):
+        if len(ids) != len(mask):
+            raise ValueError(f"sample {i}: {len(ids)} input ids but {len(mask)} loss-mask entries")
+        if not ids:
+            results[i] = Quarantined(i, "empty sample")
+        elif min(ids) < 0 or max(ids) >= vocab_size:
+            results[i] = Quarantined(i, f"token id outside the target vocab [0, {vocab_size})")
+    return results
+
+
+def check_draft_vocab(t2d: torch.Tensor | None, vocab_size: int, topk: int) -> None:
+    """The top-k teacher's draft vocab: a bool mask over the target vocab with at least `topk` tokens."""
+    if t2d is None:
+        raise ValueError("teacher 'topk' needs t2d, the bool mask of the draft vocab over the target vocab")
+    if t2d.dtype != torch.bool or t2d.shape != (vocab_size,):
+        raise ValueError(f"t2d must be bool [{vocab_size}], got {t2d.dtype} {tuple(t2d.shape)}")
+    n_draft = int(t2d.sum())
+    if n_draft < topk:
+        raise ValueError(f"draft vocab has {n_draft} tokens, fewer than topk={topk}")
+
+
+class TopkTeacher:
+    """The top-k teacher from a post-norm state: the target's lm_head split once into float32 rows
+    of the draft ids and of the other ids (with biases), whichever engine produced the state.
+
+    Splitting the rows once makes the draft vocab's logits one contiguous matmul output: no
+    per-sample gather of a [T, draft_vocab] copy.
+    """
+
+    def __init__(self, head_weight: torch.Tensor, head_bias: torch.Tensor | None, t2d: torch.Tensor, topk: int) -> None:
+        self.vocab_size = head_weight.shape[0]
+        check_draft_vocab(t2d, self.vocab_size, topk)
+        self.topk = topk
+        weight = head_weight.float()
+        bias = None if head_bias is None else head_bias.float()
+        t2d = t2d.to(weight.device)
+        self.draft_ids = torch.nonzero(t2d).squeeze(1)  # ascending target ids
+        self.other_ids = torch.nonzero(~t2d).squeeze(1)
+        self.draft_w, self.other_w = weight[self.draft_ids].contiguous(), weight[self.other_ids].contiguous()
+        self.draft_b = None if bias is None else bias[self.draft_ids]
+        self.other_b = None if bias is None else bias[self.other_ids]
+
+    def fill(self, final: torch.Tensor, rec: Extracted) -> str | None:
+        """Fill rec's top-k teacher from the post-norm state; a reason if the logits are not finite.
+
+        The same numbers as log_softmax over the draft ids of the full float32 logits, then top-k,
+        then the full-vocab argmax, computed without materialising either: logits of the draft ids
+        and of the others come from two matmuls; the normaliser is a log-sum-exp; the target's
+        argmax is a draft token when the best draft logit beats the best other one.
+        """
+        state = final.to(self.draft_w.device).float()
+        draft_logits = F.linear(state, self.draft_w, self.draft_b)  # [T, n_draft], ascending target ids
+        other_logits = F.linear(state, self.other_w, self.other_b)  # [T, V - n_draft]
+        if c := _nonfinite(draft_logits) + _nonfinite(other_logits):
+            return f"{c} non-finite values in target logits"
+        # Renormalised over the draft vocab: the loss is forward KL against the target's softmax
+        # *restricted to* the draft vocab, i.e. p(v | v in draft); the trainer needs no extra mass term.
+        values, pos = draft_logits.topk(self.topk, dim=-1)
+        rec.topk_logprobs = (values - torch.logsumexp(draft_logits, dim=-1, keepdim=True)).to(torch.float16).cpu()
+        rec.topk_ids = self.draft_ids[pos].to(torch.int32).cpu()
+        # Renormalising hides how much mass lay outside the draft vocab; the trainer masks positions
+        # whose target argmax is outside it (CONTRACTS), so that bit is kept here.
+        best_draft = values[:, 0]
+        if other_logits.shape[1] == 0:
+            rec.argmax_in_draft = torch.ones_like(best_draft, dtype=torch.bool).cpu()
+            return None
+        best_other, other_pos = other_logits.max(dim=-1)
+        in_draft = best_draft > best_other
+        # A tie goes to the lower target id, as argmax over the full vocab does.
+        tie = best_draft == best_other
+        if bool(tie.any()):
+            first_draft = torch.where(draft_logits[tie] == best_draft[tie, None], self.draft_ids,
+                                      self.vocab_size).amin(dim=-1)
+            in_draft[tie] = first_draft < self.other_ids[other_pos[tie]]
+        rec.argmax_in_draft = in_draft.cpu()
+        return None
+
+
+def record_from_states(ids: list[int], mask: list[int], layers: list[torch.Tensor], final: torch.Tensor,
+                       labels: list[str], settings: ExtractSettings, teacher: TopkTeacher | None) -> Extracted | str:
+    """One sample's record (index unset) from its aux layers [T, H] each and post-norm state [T, H],
+    or the quarantine reason naming each non-finite tensor (`labels`: the layers', then the final's).
+
+    Tensors are copied out (`copy=True`): inference tensors would fail in any later autograd use
+    (online training), and slices would keep a whole batch's states alive.
+    """
+    reasons = [f"{c} non-finite values in {label}"
+               for label, t in zip(labels, [*layers, final]) if (c := _nonfinite(t))]
+    if reasons:
+        return "; ".join(reasons)
+    aux = torch.cat(layers, dim=-1)
+    rec = Extracted(index=-1, input_ids=torch.tensor(ids, dtype=torch.int32),
+                    loss_mask=torch.tensor(mask, dtype=torch.uint8), aux_hidden=aux)
+    if settings.storage == "fp8":
+        rec.aux_hidden, rec.aux_scale = (t.cpu() for t in quantize_fp8(aux))
+    else:
+        rec.aux_hidden = aux.to("cpu", torch.bfloat16, copy=True)
+    if settings.teacher == "final_hidden":
+        rec.final_hidden = final.to("cpu", torch.bfloat16, copy=True)
+        return rec
+    reason = teacher.fill(final, rec)
+    return reason if reason else rec
+
+
 class HFExtractor:
     """A transformers causal LM as extraction engine, for targets that fit one process."""
 
@@ -136,14 +246,7 @@ class HFExtractor:
         self.vocab_size: int = cfg.vocab_size
         validate_aux_layer_ids(settings.aux_layer_ids, self.num_layers)
         if settings.teacher == "topk":
-            if t2d is None:
-                raise ValueError("teacher 'topk' needs t2d, the bool mask of the draft vocab over the target vocab")
-            if t2d.dtype != torch.bool or t2d.shape != (self.vocab_size,):
-                raise ValueError(f"t2d must be bool [{self.vocab_size}], got {t2d.dtype} {tuple(t2d.shape)}")
-            n_draft = int(t2d.sum())
-            if n_draft < settings.topk:
-                raise ValueError(f"draft vocab has {n_draft} tokens, fewer than topk={settings.topk}")
-            self.draft_ids = torch.nonzero(t2d).squeeze(1).to(model.device)  # ascending target ids
+            check_draft_vocab(t2d, self.vocab_size, settings.topk)
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.model = model
@@ -151,7 +254,18 @@ class HFExtractor:
         self.t2d = t2d
         self.max_batch_tokens = max_batch_tokens
         self.pad_token_id = pad_token_id
-        self._head_rows: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None = None
+        self._teacher: TopkTeacher | None = None
+
+    @property
+    def teacher(self) -> TopkTeacher | None:
+        """The top-k teacher over the model's own lm_head, built on first use (None for final_hidden)."""
+        if self.settings.teacher != "topk":
+            return None
+        if self._teacher is None:
+            head = self.model.get_output_embeddings()
+            self._teacher = TopkTeacher(head.weight.detach(), None if head.bias is None else head.bias.detach(),
+                                        self.t2d.to(head.weight.device), self.settings.topk)
+        return self._teacher
 
     def batches(self, samples: list[Sample]) -> list[list[int]]:
         """Sample indices grouped so that batch size x longest length <= max_batch_tokens.
@@ -173,14 +287,7 @@ class HFExtractor:
         return out
 
     def extract(self, samples: list[Sample]) -> list[Extracted | Quarantined]:
-        results: list[Extracted | Quarantined | None] = [None] * len(samples)
-        for i, (ids, mask) in enumerate(samples):
-            if len(ids) != len(mask):
-                raise ValueError(f"sample {i}: {len(ids)} input ids but {len(mask)} loss-mask entries")
-            if not ids:
-                results[i] = Quarantined(i, "empty sample")
-            elif min(ids) < 0 or max(ids) >= self.vocab_size:
-                results[i] = Quarantined(i, f"token id outside the target vocab [0, {self.vocab_size})")
+        results = precheck_samples(samples, self.vocab_size)
         todo = [(i, s) for i, s in enumerate(samples) if results[i] is None]
         kept = [s for _, s in todo]
         for batch in self.batches(kept):
@@ -211,34 +318,10 @@ class HFExtractor:
         hs = self._forward(input_ids, attention)
         assert len(hs) == self.num_layers + 1, f"expected {self.num_layers + 1} hidden states, got {len(hs)}"
         layer_ids = self.settings.aux_layer_ids
-        results: list[Extracted | str] = []
-        for b, (ids, mask) in enumerate(batch):
-            n = lengths[b]
-            layers = [hs[i + 1][b, :n] for i in layer_ids]
-            final = hs[-1][b, :n]
-            reasons = [f"{c} non-finite values in aux layer {i} (hidden_states[{i + 1}])"
-                       for i, layer in zip(layer_ids, layers) if (c := _nonfinite(layer))]
-            if c := _nonfinite(final):
-                reasons.append(f"{c} non-finite values in final_hidden (post-norm hidden_states[-1])")
-            if reasons:
-                results.append("; ".join(reasons))
-                continue
-            aux = torch.cat(layers, dim=-1)
-            rec = Extracted(index=-1, input_ids=torch.tensor(ids, dtype=torch.int32),
-                            loss_mask=torch.tensor(mask, dtype=torch.uint8), aux_hidden=aux)
-            if self.settings.storage == "fp8":
-                rec.aux_hidden, rec.aux_scale = (t.cpu() for t in quantize_fp8(aux))
-            else:
-                rec.aux_hidden = aux.to("cpu", torch.bfloat16, copy=True)
-            if self.settings.teacher == "final_hidden":
-                rec.final_hidden = final.to("cpu", torch.bfloat16, copy=True)
-            else:
-                reason = self._topk(final, rec)
-                if reason:
-                    results.append(reason)
-                    continue
-            results.append(rec)
-        return results
+        labels = [f"aux layer {i} (hidden_states[{i + 1}])" for i in layer_ids] + ["final_hidden (post-norm hidden_states[-1])"]
+        return [record_from_states(ids, mask, [hs[i + 1][b, :lengths[b]] for i in layer_ids], hs[-1][b, :lengths[b]],
+                                   labels, self.settings, self.teacher)
+                for b, (ids, mask) in enumerate(batch)]
 
     @torch.inference_mode()
     def _forward(self, input_ids: torch.Tensor, attention: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -250,68 +333,18 @@ class HFExtractor:
                                     output_hidden_states=True, use_cache=False)
         return out.hidden_states
 
-    def _split_head(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-        """The target's lm_head as float32 rows of the draft ids, then of the other ids (with biases), built once.
-
-        Splitting the rows once makes the draft vocab's logits one contiguous matmul output: no
-        per-sample gather of a [T, draft_vocab] copy.
-        """
-        if self._head_rows is None:
-            head = self.model.get_output_embeddings()
-            weight = head.weight.detach().float()
-            bias = None if head.bias is None else head.bias.detach().float()
-            other_ids = torch.nonzero(~self.t2d.to(weight.device)).squeeze(1)
-            self.other_ids = other_ids
-            self._head_rows = (weight[self.draft_ids].contiguous(), None if bias is None else bias[self.draft_ids],
-                               weight[other_ids].contiguous(), None if bias is None else bias[other_ids])
-        return self._head_rows
-
-    def _topk(self, final: torch.Tensor, rec: Extracted) -> str | None:
-        """Fill rec's top-k teacher from the post-norm state; a reason if the logits are not finite.
-
-        The same numbers as log_softmax over the draft ids of the full float32 logits, then top-k,
-        then the full-vocab argmax, computed without materialising either: logits of the draft ids
-        and of the others come from two matmuls; the normaliser is a log-sum-exp; the target's
-        argmax is a draft token when the best draft logit beats the best other one.
-        """
-        draft_w, draft_b, other_w, other_b = self._split_head()
-        state = final.float()
-        draft_logits = F.linear(state, draft_w, draft_b)  # [T, n_draft], ascending target ids
-        other_logits = F.linear(state, other_w, other_b)  # [T, V - n_draft]
-        if c := _nonfinite(draft_logits) + _nonfinite(other_logits):
-            return f"{c} non-finite values in target logits"
-        # Renormalised over the draft vocab: the loss is forward KL against the target's softmax
-        # *restricted to* the draft vocab, i.e. p(v | v in draft); the trainer needs no extra mass term.
-        values, pos = draft_logits.topk(self.settings.topk, dim=-1)
-        rec.topk_logprobs = (values - torch.logsumexp(draft_logits, dim=-1, keepdim=True)).to(torch.float16).cpu()
-        rec.topk_ids = self.draft_ids[pos].to(torch.int32).cpu()
-        # Renormalising hides how much mass lay outside the draft vocab; the trainer masks positions
-        # whose target argmax is outside it (CONTRACTS), so that bit is kept here.
-        best_draft = values[:, 0]
-        if other_logits.shape[1] == 0:
-            rec.argmax_in_draft = torch.ones_like(best_draft, dtype=torch.bool).cpu()
-            return None
-        best_other, other_pos = other_logits.max(dim=-1)
-        in_draft = best_draft > best_other
-        # A tie goes to the lower target id, as argmax over the full vocab does.
-        tie = best_draft == best_other
-        if bool(tie.any()):
-            first_draft = torch.where(draft_logits[tie] == best_draft[tie, None], self.draft_ids,
-                                      self.vocab_size).amin(dim=-1)
-            in_draft[tie] = first_draft < self.other_ids[other_pos[tie]]
-        rec.argmax_in_draft = in_draft.cpu()
-        return None
-
 
 def build_extractor(backend: str, model: PreTrainedModel, tokenizer, settings: ExtractSettings,
                     t2d: torch.Tensor | None, max_batch_tokens: int) -> Extractor:
-    """The configured engine. Another engine (an SGLang-based one for 1T-parameter targets) is one
-    more branch here: the flow only sees the `Extractor` protocol."""
+    """The configured in-process engine. The `vllm` backend runs in a server this process starts
+    (`tasks.extract_vllm.open_vllm_extractor`): the flow only sees the `Extractor` protocol."""
     if backend == "hf":
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return HFExtractor(model, settings, t2d=t2d if settings.teacher == "topk" else None,
                            max_batch_tokens=max_batch_tokens, pad_token_id=pad)
-    raise ValueError(f"unknown extraction backend {backend!r} (available: 'hf')")
+    if backend == "vllm":
+        raise ValueError("backend 'vllm' extracts through a vLLM server: use tasks.extract_vllm.open_vllm_extractor")
+    raise ValueError(f"unknown extraction backend {backend!r} (available: 'hf', 'vllm')")
 
 
 # ---------------------------------------------------------------- the shard record format

@@ -250,7 +250,7 @@ def test_topk_teacher_equals_the_full_vocab_computation(smol):
     for (ids, _), fh in zip(samples, HFExtractor(smol, ExtractSettings(aux_layer_ids=settings.aux_layer_ids))
                             .extract(samples)):
         rec = Extracted(index=0, input_ids=torch.tensor(ids), loss_mask=torch.ones(len(ids)), aux_hidden=None)
-        assert extractor._topk(fh.final_hidden, rec) is None
+        assert extractor.teacher.fill(fh.final_hidden, rec) is None
         want_ids, want_lp, want_in_draft = _full_vocab_topk(smol, fh.final_hidden, t2d, 20)
         assert torch.equal(rec.topk_ids.long(), want_ids)
         torch.testing.assert_close(rec.topk_logprobs.float(), want_lp.half().float(), atol=1e-6, rtol=2 ** -10)
@@ -273,7 +273,7 @@ def test_topk_teacher_tie_goes_to_the_lower_target_id(draft_is_lower):
     final = direction[None].repeat(2, 1)
     rec = Extracted(index=0, input_ids=torch.zeros(2, dtype=torch.int32), loss_mask=torch.ones(2), aux_hidden=None)
     extractor = HFExtractor(model, ExtractSettings(aux_layer_ids=[1, 2, 3], teacher="topk", topk=3), t2d=t2d)
-    assert extractor._topk(final, rec) is None
+    assert extractor.teacher.fill(final, rec) is None
     _, _, want = _full_vocab_topk(model, final, t2d, 3)
     assert torch.equal(rec.argmax_in_draft, want)
     assert bool(want.all()) == draft_is_lower
