@@ -558,19 +558,19 @@ def status(
     if format is OutputFormat.table:  # csv/json stay one parsable table; the curve is `SELECT * FROM acceptance_curve`
         latest = _read(store.acceptance_latest)
         if latest:
-            _print_rows(*curve_point_view(latest), format, title="acceptance curve: latest point")
+            title, cols, rows = curve_point_view(latest)
+            _print_rows(cols, rows, format, title=title)
 
 
-def curve_point_view(rows: list[dict]) -> tuple[list[str], list[tuple]]:
-    """The latest point of the acceptance curve: what the draft was trained on, then each drafter's acceptance."""
-    cols = ["checkpoint", "train tokens", "convs", "domain", "drafter", "accept"]
-    out = []
-    for r in rows:
-        tokens = "-" if r["training_tokens"] is None else f"{r['training_tokens']:,}"
-        convs = "-" if r["training_conversations"] is None else f"{r['training_conversations']:,}"
-        al = r["acceptance_length"]
-        out.append((r["checkpoint"], tokens, convs, r["domain"], r["drafter"], "-" if al is None else f"{al:.2f}"))
-    return cols, out
+def curve_point_view(rows: list[dict]) -> tuple[str, list[str], list[tuple]]:
+    """The latest point of the acceptance curve: what the draft was trained on (the title), then each
+    drafter's acceptance length there (prompt lookup and the final-state-only draft are the references)."""
+    p = next((r for r in rows if r["drafter"] == "eagle3"), rows[0])
+    n = lambda v: "-" if v is None else f"{v:,}"  # noqa: E731
+    title = (f"acceptance curve, latest point: {p['checkpoint']} ({n(p['training_tokens'])} training tokens, "
+             f"{n(p['training_conversations'])} conversations), {p['domain']}, {p['config_label']}")
+    out = [(r["drafter"], "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}") for r in rows]
+    return title, ["drafter", "acceptance length"], out
 
 
 if __name__ == "__main__":

@@ -111,9 +111,10 @@ def test_status_prints_the_latest_point(tmp_path):
     out = CliRunner().invoke(app, ["status", "-w", str(ws)], env={"COLUMNS": "120"})
     assert out.exit_code == 0, out.output
     text = out.output
-    assert "acceptance curve: latest point" in text
-    tail = text[text.index("acceptance curve: latest point"):]
-    assert ckpts[2] in tail and "1,900" in tail and "23" in tail and "heldout_chat" in tail
+    assert "acceptance curve, latest point" in text
+    tail = " ".join(text[text.index("acceptance curve, latest point"):].split())  # the title may wrap
+    assert f"{ckpts[2]} (1,900 training tokens, 23 conversations), heldout_chat, chain k=3" in tail
+    tail = text[text.index("acceptance curve, latest point"):]
     for drafter, value in (("eagle3 ", "1.30"), ("prompt-lookup", "1.40"), ("eagle3-final-state-only", "1.20")):
         line = next(li for li in tail.splitlines() if drafter in li)
         assert value in line, line
