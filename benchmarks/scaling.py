@@ -1,0 +1,611 @@
+"""The scaling study on the embedded target (issue 14): acceptance against training tokens.
+
+Each point is a number of training tokens N (loss-masked, target-written tokens: `samples.masked_tokens`,
+the positions the draft is trained to predict), doubling from 25K (`--sizes`, `--max-size`).
+
+Main arm (the pipeline's own design): one draft (`train.run_name` of the config) continued round after
+round. For each N, in order: regenerate in chunks (`limit`) until the workspace's generations (never
+held-out prompts) hold N completion tokens; take the first generations in the order extraction takes
+them (created_at, generation_id) whose completion tokens reach N; extract only those not yet extracted
+(`limit`: the round holds the new data); train (the same run continues from its checkpoint, `epochs`
+passes over the new round); then measure the round's SGLang export. Regenerated data is kept: a rerun
+regenerates nothing that exists. If the disk budget stops an extraction early, the point takes more
+than one extract -> train round.
+
+From-scratch controls (`--controls`, default 50K and 200K): a fresh draft (run `<run_name>-scratch-N`)
+trained from its initialisation on exactly the main arm's data up to N, for the same `epochs` passes
+over every token (the main arm passes `epochs` times over each round's new data). `train.mode: online`
+cannot be restricted to the first N tokens' generations (it trains on every generation of the
+workspace), and the main arm's shards are consumed and deleted after its rounds, so each control gets
+its own workspace, `<workspace>/controls/scratch-N`, filled by the pipeline's own import
+(`regenerate.imports`): the same generations' conversations with their stored token ids and loss
+masks (tokenised as the main extraction tokenises them), then extract and train there as usual. One
+difference remains and is by design: the control's draft vocabulary is built from all of its data,
+the main arm's from its first round (the pipeline keeps the first vocab built so later rounds keep
+the same draft ids).
+
+Measurement (every arm and size alike): offline acceptance (tasks/evaluate.py, the benchmark flow's
+measuring: greedy chain of depth k, lossless-checked) of the export, loaded through the serving
+contract check, on the main workspace's held-out chat prompts (`heldout_chat`) and HumanEval, at each
+k of `--ks` (default 3 4), with both baselines (prompt lookup, the same draft fed only the final
+state) and acceptance by draft position. The target's greedy decodings are computed once per process
+and shared by every point and k.
+
+Resumable: one JSON line per (arm, size, k) is appended to `<workspace>/reports/scaling.jsonl`; a
+rerun skips points already measured (the flows themselves are crash-safe, so a point interrupted
+anywhere is simply redone from where its stages stopped). Costs per point: regenerate tok/s (this
+point's regenerate runs, else the workspace's regenerate runs from lineage), extract tok/s (all
+tokens prefilled, and loss-masked), train tok/s (loss-masked positions trained, epochs counted, per
+second of the train flow), wall time. The table goes to `reports/scaling.md`, the plot to
+`reports/scaling.png`.
+
+Run:  nice -n 15 .venv/bin/python benchmarks/scaling.py [--config benchmarks/scaling.yaml]
+          [--sizes 25000 50000 ...] [--max-size 1600000] [--controls 50000 200000] [--ks 3 4]
+      nice -n 15 .venv/bin/python benchmarks/scaling.py --quick     # smoke run, runs/scaling-quick
+      nice -n 15 .venv/bin/python benchmarks/scaling.py --report    # table and plot from scaling.jsonl only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+DEFAULT_SIZES = [25_000, 50_000, 100_000, 200_000, 400_000]
+DEFAULT_CONTROLS = [50_000, 200_000]
+QUICK_SIZES, QUICK_CONTROLS = [2_000, 4_000], [2_000]
+MAIN, SCRATCH = "main", "scratch"
+DOMAINS = ("heldout_chat", "humaneval")
+DRAFTERS = {"eagle3": "eagle3", "final": "eagle3-final-state-only", "lookup": "prompt-lookup"}
+
+
+# ---------------------------------------------------------------- pure bookkeeping (tested)
+
+def study_sizes(sizes: Iterable[int], max_size: int | None = None) -> list[int]:
+    """The sizes asked, plus doublings of the largest up to `max_size`; sorted, distinct."""
+    out = sorted({int(s) for s in sizes})
+    if not out:
+        raise ValueError("no sizes given")
+    if max_size is not None:
+        s = out[-1]
+        while s * 2 <= max_size:
+            s *= 2
+            out.append(s)
+    return out
+
+
+def generations_for(tokens: Iterable[int], size: int) -> int | None:
+    """How many of the first generations (in extraction order, these completion token counts) it takes
+    to reach `size` tokens; None when all of them together fall short."""
+    total = 0
+    for n, t in enumerate(tokens, start=1):
+        total += int(t or 0)
+        if total >= size:
+            return n
+    return None
+
+
+def point_key(arm: str, size: int, k: int) -> str:
+    return f"{arm}/{size}/k{k}"
+
+
+def load_results(path: Path) -> dict[str, dict]:
+    """The measured points of a results file, by key; the last line of a key wins, and a line cut
+    short by a crash (not valid JSON) is ignored."""
+    out: dict[str, dict] = {}
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+            out[point_key(row["arm"], int(row["size"]), int(row["k"]))] = row
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
+def missing_ks(done: dict[str, dict], arm: str, size: int, ks: Iterable[int]) -> list[int]:
+    """The chain depths of (arm, size) still to measure."""
+    return [k for k in ks if point_key(arm, size, k) not in done]
+
+
+def append_result(path: Path, row: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(row, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def regenerate_chunk(missing_tokens: int, tokens_per_generation: float | None, lo: int = 16, hi: int = 400) -> int:
+    """Prompts to ask the next regenerate call for: the missing tokens at the mean generation's length,
+    plus 10%, between `lo` and `hi` (the next call continues, nothing is asked twice)."""
+    per = tokens_per_generation if tokens_per_generation and tokens_per_generation > 0 else 150.0
+    return max(lo, min(hi, math.ceil(round(missing_tokens * 11 / per, 6) / 10)))
+
+
+# ---------------------------------------------------------------- lineage reads (the public SQL surface)
+
+def _q(store, sql: str) -> list[tuple]:
+    if not store.path.exists():
+        return []
+    return store.query_readonly(sql)[1]
+
+
+def generation_tokens(store) -> list[int]:
+    """Completion tokens of the workspace's generations for non-held-out prompts, in extraction order."""
+    return [r[0] for r in _q(store, (
+        "SELECT coalesce(g.completion_tokens, 0) FROM generations g WHERE NOT EXISTS (SELECT 1 FROM records r "
+        "WHERE r.prompt_id = g.prompt_id AND r.outcome = 'heldout') ORDER BY g.created_at, g.generation_id"))]
+
+
+def first_generations(store, n: int) -> list[tuple[str, str]]:
+    """(generation_id, file relative to data/generations) of the first n generations, extraction order."""
+    return [(g, f"{p}/{f}") for g, p, f in _q(store, (
+        "SELECT g.generation_id, g.params_key, g.file FROM generations g WHERE NOT EXISTS (SELECT 1 FROM records r "
+        "WHERE r.prompt_id = g.prompt_id AND r.outcome = 'heldout') "
+        f"ORDER BY g.created_at, g.generation_id LIMIT {int(n)}"))]
+
+
+def sampled_generations(store) -> int:
+    rows = _q(store, "SELECT count(DISTINCT generation_id) FROM samples")
+    return int(rows[0][0]) if rows else 0
+
+
+def extracted_tokens(store) -> tuple[int, int, int]:
+    """(samples, tokens, loss-masked tokens) extracted in this workspace."""
+    rows = _q(store, "SELECT count(*), coalesce(sum(tokens), 0), coalesce(sum(masked_tokens), 0) FROM samples "
+                     "WHERE outcome = 'extracted'")
+    return tuple(int(x) for x in rows[0]) if rows else (0, 0, 0)
+
+
+def trained_positions(store, run_name: str) -> int:
+    """The train loop's counter (what the acceptance_curve view calls training_tokens: epochs counted)."""
+    rows = _q(store, f"SELECT coalesce(max(tokens), 0) FROM train_metrics WHERE run_name = '{run_name}'")
+    return int(rows[0][0]) if rows else 0
+
+
+def discovered(store) -> bool:
+    rows = _q(store, "SELECT count(*) FROM runs WHERE flow = 'discover' AND state = 'COMPLETED'")
+    return bool(rows and rows[0][0])
+
+
+def lineage_regenerate_rate(store) -> float | None:
+    """Completion tokens per second over every regenerate run of the workspace (their own summaries)."""
+    tokens = seconds = 0.0
+    for (summary,) in _q(store, "SELECT summary FROM runs WHERE flow = 'regenerate' AND summary IS NOT NULL"):
+        s = json.loads(summary) if isinstance(summary, str) else summary
+        if s.get("generated") and s.get("seconds"):
+            tokens += s.get("completion_tokens") or 0
+            seconds += s["seconds"]
+    return tokens / seconds if seconds else None
+
+
+# ---------------------------------------------------------------- the study
+
+@dataclass
+class Costs:
+    regen_tokens: int = 0
+    regen_s: float = 0.0
+    extract_tokens: int = 0
+    extract_masked: int = 0
+    extract_s: float = 0.0
+    train_positions: int = 0
+    train_s: float = 0.0
+    rounds: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def rates(self, lineage_regen_rate: float | None) -> dict:
+        own = self.regen_tokens / self.regen_s if self.regen_s else None
+        return {
+            "regen_tok_s": own if own is not None else lineage_regen_rate,
+            "regen_tok_s_source": "this point" if own is not None else "lineage (earlier regenerate runs)",
+            "regen_tokens": self.regen_tokens, "regen_s": self.regen_s,
+            "extract_tok_s": self.extract_tokens / self.extract_s if self.extract_s else None,
+            "extract_masked_tok_s": self.extract_masked / self.extract_s if self.extract_s else None,
+            "extract_tokens": self.extract_tokens, "extract_s": self.extract_s,
+            "train_tok_s": self.train_positions / self.train_s if self.train_s else None,
+            "train_positions": self.train_positions, "train_s": self.train_s, "rounds": self.rounds,
+        }
+
+
+class Study:
+    def __init__(self, cfg, results: Path, ks: list[int], prompts: int, max_new: int, chunk_max: int) -> None:
+        from storage.lineage import LineageStore
+
+        self.cfg, self.results, self.ks = cfg, results, ks
+        self.prompts, self.max_new, self.chunk_max = prompts, max_new, chunk_max
+        self.ws = Path(cfg.workspace)
+        self.store = LineageStore(self.ws / "lineage.duckdb")
+        self.done = load_results(results)
+        self._target = None
+        self._bench = None
+        self.paths: dict = {}  # greedy decodings by prompt item id, shared by every point and k
+
+    # -- data
+    def ensure_discovered(self) -> None:
+        from flows.discover import discover
+
+        if not discovered(self.store):
+            print(f"discover -> {self.ws}", flush=True)
+            discover(self.cfg.discover)
+
+    def ensure_generations(self, size: int, costs: Costs) -> int:
+        """Regenerate in chunks until the first generations reach `size` tokens; their count."""
+        from flows.regenerate import regenerate
+
+        while True:
+            tokens = generation_tokens(self.store)
+            n = generations_for(tokens, size)
+            if n is not None:
+                return n
+            have = sum(tokens)
+            limit = regenerate_chunk(size - have, have / len(tokens) if tokens else None, hi=self.chunk_max)
+            print(f"regenerate: {have:,} of {size:,} tokens, asking {limit} more prompts", flush=True)
+            s = regenerate(self.cfg.regenerate.model_copy(update={"limit": limit}))
+            costs.regen_tokens += s.completion_tokens
+            costs.regen_s += s.seconds
+            if s.pending_at_start == 0:
+                raise SystemExit(f"{self.ws}: every discovered prompt is answered ({have:,} tokens) and {size:,} are "
+                                 "needed: raise discover.sources[].limit and rerun (discover adds the new ones)")
+
+    # -- measuring
+    def target(self):
+        if self._target is None:
+            from tasks.evaluate import benchmark_sets, prompts_for_benchmark
+            from tasks.heldout import heldout_set
+            from tasks.target import load_configured_target, stop_token_ids
+
+            t = self.cfg.bench_section().target
+            model, tokenizer, identity = load_configured_target(t.gguf, t.model_path, t.revision, t.trust_remote_code,
+                                                                t.dtype, t.device)
+            held = heldout_set(self.store.heldout_prompts())
+            if held is None:
+                raise SystemExit(f"{self.ws}: no held-out prompts (discover.heldout)")
+            sets = [held] + benchmark_sets(True)
+            prompts = prompts_for_benchmark(tokenizer, identity.chat_template, sets, self.prompts)
+            self._target = (model, tokenizer, identity, prompts, stop_token_ids(model, tokenizer))
+        return self._target
+
+    def measure(self, export: str, ks: list[int]) -> dict[int, dict]:
+        from tasks.evaluate import evaluate_acceptance, load_draft_for_target, standard_drafters
+
+        model, _, _, prompts, stops = self.target()
+        draft = load_draft_for_target(export, model)  # the serving contract is checked first
+        if draft.fc.weight.device.type == "cpu":
+            draft = draft.float()
+        out = {}
+        for k in ks:
+            t0 = time.monotonic()
+            report = evaluate_acceptance(model, prompts, standard_drafters(draft), k, self.max_new, stops,
+                                         paths=self.paths)
+            row: dict = {"measure_s": time.monotonic() - t0, "lossless_checked": report.lossless_checked}
+            for short, name in DRAFTERS.items():
+                for dom in DOMAINS + ("all",):
+                    try:
+                        a = report.get(name, dom)
+                    except KeyError:
+                        continue
+                    row[f"{short}_{dom}"] = a.acceptance_length_token_weighted
+                    row[f"{short}_{dom}_pos"] = a.position_accept_rate
+                    row[f"{short}_{dom}_requests"] = a.requests
+            out[k] = row
+        return out
+
+    # -- arms
+    def record(self, arm: str, size: int, measured: dict[int, dict], info: dict) -> None:
+        for k, row in measured.items():
+            full = {"arm": arm, "size": size, "k": k, **info, **row,
+                    "max_new_tokens": self.max_new, "prompts_per_domain": self.prompts,
+                    "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            append_result(self.results, full)
+            self.done[point_key(arm, size, k)] = full
+
+    def main_point(self, size: int) -> None:
+        from flows.extract import extract
+        from flows.train import train
+
+        ks = missing_ks(self.done, MAIN, size, self.ks)
+        if not ks:
+            print(f"main {size:,}: measured, skipped", flush=True)
+            return
+        t0 = time.monotonic()
+        costs = Costs()
+        run_name = self.cfg.train.run_name
+        n_gen = self.ensure_generations(size, costs)
+        if sampled_generations(self.store) > n_gen:
+            print(f"main {size:,}: the draft already holds more data than {size:,} tokens (a larger size was run "
+                  "first); skipped", flush=True)
+            return
+        last_remaining = -1
+        while True:
+            remaining = n_gen - sampled_generations(self.store)
+            if remaining > 0:
+                if costs.rounds and remaining == last_remaining:
+                    raise SystemExit(f"{self.ws}: extraction makes no progress ({remaining} generations left)")
+                last_remaining = remaining
+                t1 = time.monotonic()
+                s = extract(self.cfg.extract.model_copy(update={"limit": remaining}))
+                costs.extract_s += time.monotonic() - t1
+                costs.extract_tokens += s.tokens
+                costs.extract_masked += s.masked_tokens
+                print(f"extract: {s.extracted} samples, {s.tokens:,} tokens ({s.stopped_by})", flush=True)
+            before = trained_positions(self.store, run_name)
+            t1 = time.monotonic()
+            ts = train(self.cfg.train)
+            costs.train_s += time.monotonic() - t1
+            costs.train_positions += trained_positions(self.store, run_name) - before
+            costs.rounds += 1
+            if ts.stopped_by not in ("done", "no_data"):
+                raise SystemExit(f"{self.ws}: training stopped by {ts.stopped_by} (train.max_steps?)")
+            if n_gen - sampled_generations(self.store) <= 0:
+                break
+        row = self.store.checkpoint_row(fmt="sglang")
+        if row is None:
+            raise SystemExit(f"{self.ws}: no SGLang export after training")
+        measured = self.measure(row["path"], ks)
+        samples, tokens, masked = extracted_tokens(self.store)
+        info = {"run_name": run_name, "checkpoint": row["checkpoint"], "export": row["path"],
+                "generations": n_gen, "samples": samples, "sample_tokens": tokens, "train_tokens": masked,
+                "trained_positions": trained_positions(self.store, run_name),
+                **costs.rates(lineage_regenerate_rate(self.store)), "wall_s": time.monotonic() - t0}
+        self.record(MAIN, size, measured, info)
+        self.show(MAIN, size)
+
+    def control_point(self, size: int) -> None:
+        from flows.extract import extract
+        from flows.regenerate import regenerate
+        from flows.train import train
+        from storage.lineage import LineageStore
+        from tasks.config import ImportConfig, RegenerateConfig
+        from tasks.target import embedded_identity
+
+        ks = missing_ks(self.done, SCRATCH, size, self.ks)
+        if not ks:
+            print(f"scratch {size:,}: measured, skipped", flush=True)
+            return
+        t0 = time.monotonic()
+        costs = Costs()
+        n_gen = self.ensure_generations(size, costs)  # normally there already: the main arm ran this size
+        cws = self.ws / "controls" / f"scratch-{size}"
+        cstore = LineageStore(cws / "lineage.duckdb")
+        run_name = f"{self.cfg.train.run_name}-scratch-{size}"
+        if not generation_tokens(cstore):
+            path = self.import_file(n_gen, cws / "imports" / f"first-{size}.jsonl")
+            _, revision, template_id = embedded_identity(
+                self.cfg.regenerate.embedded_server.gguf if self.cfg.regenerate.embedded_server else None)
+            d = self.cfg.discover
+            t1 = time.monotonic()
+            s = regenerate(RegenerateConfig(
+                workspace=str(cws), target_model=self.cfg.regenerate.target_model, target_revision=revision,
+                chat_template_id=template_id, sampling=self.cfg.regenerate.sampling,
+                imports=[ImportConfig(name=f"first-{size}", path=str(path), near_dedupe=d.near_dedupe,
+                                      decontaminate=d.decontaminate)]))
+            costs.notes.append(f"imported {s.imported} of {n_gen} generations in {time.monotonic() - t1:.0f} s")
+            print(f"scratch {size:,}: imported {s.imported} of {n_gen} generations into {cws}", flush=True)
+        t1 = time.monotonic()
+        s = extract(self.cfg.extract.model_copy(update={"workspace": str(cws), "limit": None}))
+        costs.extract_s += time.monotonic() - t1
+        costs.extract_tokens += s.tokens
+        costs.extract_masked += s.masked_tokens
+        before = trained_positions(cstore, run_name)
+        t1 = time.monotonic()
+        train(self.cfg.train.model_copy(update={"workspace": str(cws), "run_name": run_name}))
+        costs.train_s += time.monotonic() - t1
+        costs.train_positions += trained_positions(cstore, run_name) - before
+        row = cstore.checkpoint_row(fmt="sglang")
+        if row is None:
+            raise SystemExit(f"{cws}: no SGLang export after training")
+        measured = self.measure(row["path"], ks)
+        samples, tokens, masked = extracted_tokens(cstore)
+        info = {"run_name": run_name, "workspace": str(cws), "checkpoint": row["checkpoint"], "export": row["path"],
+                "generations": n_gen, "samples": samples, "sample_tokens": tokens, "train_tokens": masked,
+                "trained_positions": trained_positions(cstore, run_name), "notes": costs.notes,
+                **costs.rates(lineage_regenerate_rate(self.store)), "wall_s": time.monotonic() - t0}
+        self.record(SCRATCH, size, measured, info)
+        self.show(SCRATCH, size)
+
+    def import_file(self, n_gen: int, path: Path) -> Path:
+        """The first n_gen generations of the main workspace as import records: their conversations with the
+        token ids and loss masks the main extraction made of them (so the control trains on the same samples)."""
+        from storage.datasets import read_generation_rows
+        from tasks.chat import Sample, tokenise_rows
+
+        found = self.store.extract_settings(None)
+        if found is None:
+            raise SystemExit(f"{self.ws}: no extraction yet; the main arm makes it")
+        settings = found["settings"]
+        _, tokenizer, identity, _, _ = self.target()
+        wanted = first_generations(self.store, n_gen)
+        rows = read_generation_rows(self.ws / "data" / "generations", wanted)
+        tokenised = tokenise_rows(tokenizer, rows, settings["max_length"], settings["overflow"], identity.chat_template)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        with tmp.open("w") as f:
+            for row, t in zip(rows, tokenised):
+                if isinstance(t.result, Sample):
+                    msgs = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
+                    f.write(json.dumps({"messages": msgs, "input_ids": list(map(int, t.result.input_ids)),
+                                        "loss_mask": list(map(int, t.result.loss_mask))}) + "\n")
+        tmp.replace(path)
+        return path
+
+    def show(self, arm: str, size: int) -> None:
+        r = self.done.get(point_key(arm, size, self.ks[0]))
+        if r:
+            print(f"{arm} {size:,}: {r['train_tokens']:,} training tokens, k={r['k']}: heldout_chat "
+                  f"{_f(r.get('eagle3_heldout_chat'))} humaneval {_f(r.get('eagle3_humaneval'))} (prompt lookup "
+                  f"{_f(r.get('lookup_heldout_chat'))} / {_f(r.get('lookup_humaneval'))}); regen "
+                  f"{_f(r.get('regen_tok_s'), 0)} tok/s, extract {_f(r.get('extract_tok_s'), 0)} tok/s, train "
+                  f"{_f(r.get('train_tok_s'), 0)} tok/s, wall {r['wall_s']:.0f} s", flush=True)
+
+
+# ---------------------------------------------------------------- report
+
+def _f(x, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def _pos(p) -> str:
+    return "/".join("-" if v is None else f"{v:.2f}" for v in (p or []))
+
+
+def markdown_table(rows: list[dict]) -> str:
+    head = ["size", "arm", "k", "train tok", "heldout AL", "HE AL", "PL heldout", "PL HE", "final-only heldout",
+            "final-only HE", "per-pos heldout", "per-pos HE", "regen tok/s", "extract tok/s", "train tok/s", "wall s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(rows, key=lambda r: (r["size"], r["arm"] != MAIN, r["k"])):
+        cells = [f"{r['size']:,}", r["arm"], str(r["k"]), f"{r.get('train_tokens', 0):,}",
+                 _f(r.get("eagle3_heldout_chat")), _f(r.get("eagle3_humaneval")),
+                 _f(r.get("lookup_heldout_chat")), _f(r.get("lookup_humaneval")),
+                 _f(r.get("final_heldout_chat")), _f(r.get("final_humaneval")),
+                 _pos(r.get("eagle3_heldout_chat_pos")), _pos(r.get("eagle3_humaneval_pos")),
+                 _f(r.get("regen_tok_s"), 0), _f(r.get("extract_tok_s"), 0), _f(r.get("train_tok_s"), 0),
+                 _f(r.get("wall_s"), 0)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, k: int = 3) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    at_k = [r for r in rows if r["k"] == k]
+    if not at_k:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = {"heldout_chat": "tab:blue", "humaneval": "tab:orange"}
+    for dom in DOMAINS:
+        for arm, style in ((MAIN, "-o"), (SCRATCH, "s")):
+            pts = sorted((r["train_tokens"], r.get(f"eagle3_{dom}")) for r in at_k
+                         if r["arm"] == arm and r.get(f"eagle3_{dom}") is not None)
+            if pts:
+                ax.plot(*zip(*pts), style, color=colors[dom], markersize=8 if arm == SCRATCH else 5,
+                        label=f"EAGLE-3 {arm} ({dom})" if arm == MAIN else f"from scratch ({dom})")
+        final = sorted((r["train_tokens"], r.get(f"final_{dom}")) for r in at_k
+                       if r["arm"] == MAIN and r.get(f"final_{dom}") is not None)
+        if final:
+            ax.plot(*zip(*final), ":", color=colors[dom], alpha=0.6, label=f"final state only ({dom})")
+        lookup = [r.get(f"lookup_{dom}") for r in at_k if r.get(f"lookup_{dom}") is not None]
+        if lookup:
+            ax.axhline(lookup[-1], color=colors[dom], linestyle="--", alpha=0.8, label=f"prompt lookup ({dom})")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("training tokens (loss-masked, target-written)")
+    ax.set_ylabel(f"acceptance length (chain depth k={k}, greedy)")
+    ax.set_title("EAGLE-3 draft for SmolLM2-135M-Instruct: acceptance vs training data")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(results: Path, k_plot: int = 3) -> str:
+    rows = list(load_results(results).values())
+    table = markdown_table(rows)
+    some = rows[0] if rows else {}
+    text = (f"# Scaling study ({results.parent.parent})\n\nAcceptance length (token-weighted, greedy, chain depth k) of "
+            f"the draft on {some.get('prompts_per_domain', '?')} held-out chat and HumanEval prompts each, "
+            f"{some.get('max_new_tokens', '?')} new tokens; PL = prompt lookup, final-only = the same draft fed only "
+            "the final state; per-pos = acceptance rate at each draft position (EAGLE-3); train tok = loss-masked "
+            "tokens of the samples trained on; regen tok/s = completion tokens/s, extract tok/s = all prefilled "
+            "tokens/s, train tok/s = loss-masked positions/s (epochs counted).\n\n" + table + "\n")
+    (results.parent / "scaling.md").write_text(text)
+    plot(rows, results.parent / "scaling.png", k_plot)
+    return table
+
+
+# ---------------------------------------------------------------- config and entry point
+
+def quick_config(cfg):
+    """The smoke run's config: its own workspace, few prompts, short answers, another server port."""
+    data = cfg.model_dump(mode="json")
+    data["workspace"] = "runs/scaling-quick"
+    for stage in ("discover", "regenerate", "extract", "train", "benchmark"):
+        if data.get(stage) is not None:
+            data[stage]["workspace"] = "runs/scaling-quick"
+    for src in data["discover"]["sources"]:
+        src["limit"] = 300
+    data["discover"]["heldout"] = {**data["discover"]["heldout"], "fraction": 0.05, "cap": 16}
+    data["regenerate"]["embedded_server"]["port"] = 8091
+    data["regenerate"]["write_batch"] = 8
+    data["benchmark"].update(prompts_per_domain=4, max_new_tokens=16)
+    from tasks.config import PipelineConfig
+
+    return PipelineConfig.model_validate(data)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", type=Path, default=ROOT / "benchmarks" / "scaling.yaml")
+    ap.add_argument("--sizes", type=int, nargs="+", default=None, help="training tokens of each point")
+    ap.add_argument("--max-size", type=int, default=None, help="add doublings of the largest size up to this")
+    ap.add_argument("--controls", type=int, nargs="*", default=None, help="sizes of the from-scratch controls")
+    ap.add_argument("--ks", type=int, nargs="+", default=[3, 4], help="chain depths measured")
+    ap.add_argument("--chunk", type=int, default=400, help="most prompts per regenerate call")
+    ap.add_argument("--quick", action="store_true", help="smoke run: sizes 2000 4000, control 2000, runs/scaling-quick")
+    ap.add_argument("--resume", action="store_true", default=True, help="skip measured points (the default)")
+    ap.add_argument("--report", action="store_true", help="only write the table and plot from the results file")
+    args = ap.parse_args()
+
+    from tasks.config import load_config
+
+    cfg = load_config(args.config)
+    if args.quick:
+        cfg = quick_config(cfg)
+    sizes = study_sizes(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES), args.max_size)
+    controls = sorted(set(args.controls if args.controls is not None else
+                          (QUICK_CONTROLS if args.quick else DEFAULT_CONTROLS)))
+    results = Path(cfg.workspace) / "reports" / "scaling.jsonl"
+    if args.report:
+        print(write_report(results, args.ks[0]))
+        return
+
+    from flows.prefect_api import start_local_api
+    from serving.embedded import free_port
+
+    home = Path(tempfile.mkdtemp(prefix="eagle3-scaling-prefect-"))
+    port = free_port()
+    os.environ["PREFECT_HOME"] = str(home)
+    os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
+    _, server = start_local_api(home, port)
+    started = time.monotonic()
+    try:
+        bench = cfg.bench_section()
+        study = Study(cfg, results, args.ks, bench.prompts_per_domain, bench.max_new_tokens, args.chunk)
+        print(f"scaling study in {cfg.workspace}: sizes {sizes}, controls {controls}, k {args.ks}; "
+              f"{len(study.done)} point(s) already measured", flush=True)
+        study.ensure_discovered()
+        for size in sizes:
+            study.main_point(size)
+            if size in controls:
+                study.control_point(size)
+        for size in controls:
+            if size not in sizes:
+                study.control_point(size)
+    finally:
+        if server is not None:
+            server.terminate()
+    print(f"\nstudy wall time this run: {time.monotonic() - started:.0f} s\n")
+    print(write_report(results, args.ks[0]))
+    print(f"\n{results.parent / 'scaling.md'}\n{results.parent / 'scaling.png'}")
+
+
+if __name__ == "__main__":
+    main()

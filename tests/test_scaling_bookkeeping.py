@@ -1,0 +1,72 @@
+"""The scaling study's bookkeeping (benchmarks/scaling.py): which points exist, which generations a size
+takes, and what a rerun skips. Pure functions, no server, no model."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location("scaling", Path(__file__).resolve().parent.parent / "benchmarks" / "scaling.py")
+scaling = importlib.util.module_from_spec(_spec)
+sys.modules["scaling"] = scaling  # dataclasses look their module up
+_spec.loader.exec_module(scaling)
+
+
+def test_sizes_double_up_to_max_size():
+    assert scaling.study_sizes([25_000, 50_000, 100_000, 200_000, 400_000], 1_600_000)[-3:] == [400_000, 800_000,
+                                                                                               1_600_000]
+    assert scaling.study_sizes([400, 100, 100]) == [100, 400]
+    assert scaling.study_sizes([100], 399) == [100, 200]  # 400 would pass the limit
+    with pytest.raises(ValueError):
+        scaling.study_sizes([])
+
+
+def test_a_size_takes_the_first_generations_that_reach_it():
+    tokens = [100, 50, None, 200, 10]
+    assert scaling.generations_for(tokens, 100) == 1
+    assert scaling.generations_for(tokens, 101) == 2
+    assert scaling.generations_for(tokens, 151) == 4   # a generation without a count adds nothing
+    assert scaling.generations_for(tokens, 360) == 5
+    assert scaling.generations_for(tokens, 361) is None  # not enough data: regenerate more
+
+
+def test_rerun_skips_measured_points_and_ignores_a_torn_line(tmp_path):
+    path = tmp_path / "scaling.jsonl"
+    scaling.append_result(path, {"arm": "main", "size": 2000, "k": 3, "eagle3_humaneval": 1.1})
+    scaling.append_result(path, {"arm": "main", "size": 2000, "k": 3, "eagle3_humaneval": 1.2})
+    scaling.append_result(path, {"arm": "scratch", "size": 2000, "k": 4})
+    with path.open("a") as f:
+        f.write('{"arm": "main", "size": 4000, "k"')  # a crash while writing
+    done = scaling.load_results(path)
+    assert sorted(done) == ["main/2000/k3", "scratch/2000/k4"]
+    assert done["main/2000/k3"]["eagle3_humaneval"] == 1.2  # the last line of a key wins
+    assert scaling.missing_ks(done, "main", 2000, [3, 4]) == [4]
+    assert scaling.missing_ks(done, "scratch", 2000, [3, 4]) == [3]
+    assert scaling.missing_ks(done, "main", 4000, [3, 4]) == [3, 4]
+
+
+def test_regenerate_chunks_cover_the_missing_tokens_within_bounds():
+    assert scaling.regenerate_chunk(10_000, 100.0) == 110
+    assert scaling.regenerate_chunk(10, 100.0) == 16
+    assert scaling.regenerate_chunk(10_000_000, 100.0, hi=400) == 400
+    assert scaling.regenerate_chunk(1_500, None) == 16  # 150 tokens a generation assumed: 11, raised to 16
+
+
+def test_table_lists_every_point_in_size_order(tmp_path):
+    rows = [{"arm": a, "size": s, "k": k, "train_tokens": s, "eagle3_heldout_chat": 1.0 + s / 1e4,
+             "eagle3_heldout_chat_pos": [0.5, None], "wall_s": 1.0}
+            for s in (4000, 2000) for a in ("scratch", "main") for k in (3, 4)]
+    lines = scaling.markdown_table(rows).splitlines()[2:]
+    assert [tuple(c.strip() for c in line.split("|")[1:4]) for line in lines] == [
+        ("2,000", "main", "3"), ("2,000", "main", "4"), ("2,000", "scratch", "3"), ("2,000", "scratch", "4"),
+        ("4,000", "main", "3"), ("4,000", "main", "4"), ("4,000", "scratch", "3"), ("4,000", "scratch", "4")]
+    assert "0.50/-" in lines[0] and "1.20" in lines[0]
+    path = tmp_path / "reports" / "scaling.jsonl"
+    for r in rows:
+        scaling.append_result(path, r)
+    scaling.write_report(path)
+    assert (tmp_path / "reports" / "scaling.png").stat().st_size > 1000
+    assert "| 4,000 | scratch | 4 |" in (tmp_path / "reports" / "scaling.md").read_text()
