@@ -126,6 +126,12 @@ def _regenerate(config: RegenerateConfig, store: LineageStore, spec: GenerationS
         logger.info("nothing to generate: every prompt has a generation or a recorded failure")
         _finish(store, summary)
         return
+    if config.embedded_server is None and not config.endpoints:
+        # An imports-only run: the pending prompts wait for a run that has a server.
+        logger.info("imports only: %d pending prompt(s) need `endpoints` or `embedded_server` to be answered",
+                    len(pending))
+        _finish(store, summary)
+        return
 
     if config.embedded_server is not None:
         from serving.embedded import LlamaCppServer

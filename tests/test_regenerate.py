@@ -199,6 +199,13 @@ def test_imports_skip_the_server_and_pass_discover_checks(prefect_api, scripted,
     assert lin[0] == ("import", 3, True)
     assert regenerate(cfg).imported == 0  # importing again adds nothing
 
+    # Imports only, with a prompt pending ("no answer yet" got its answer above; a new one has not):
+    # the run imports and stops, leaving the prompt for a run with a server.
+    (tmp_path / "more.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "still unanswered"}]}) + "\n")
+    only = regen_config(workspace, [], imports=[{"name": "more", "path": str(tmp_path / "more.jsonl")}])
+    s = regenerate(only)
+    assert (s.imported, s.generated, s.pending_at_start) == (0, 0, 1)
+
 
 def test_kill_9_five_times_then_resume_gives_exactly_the_expected_generations(prefect_api, scripted, tmp_path, workspace):
     prompts = discover_prompts(workspace, tmp_path, conversations(150, seed=5))
