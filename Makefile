@@ -76,13 +76,14 @@ serve: install
 test: install browser vllm
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m pytest -q
 
-bench: install
+bench: install vllm
 	$(PY) benchmarks/dedupe.py
 	$(PY) benchmarks/regenerate_client.py
 	$(PY) benchmarks/extract.py
 	$(PY) benchmarks/train.py
 	$(PY) benchmarks/teacher_storage.py
 	$(PY) benchmarks/extract_workers.py
+	$(PY) benchmarks/extract_vllm.py
 	$(PY) benchmarks/pipeline.py
 
 clean:

@@ -260,7 +260,8 @@ class VllmExtractConfig(Strict):
     python: str | None = Field(default=None, description="The vLLM environment's python (default: "
                                "$EAGLE3_VLLM_PYTHON, else .venv-vllm/bin/python from `make vllm`).")
     tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs one copy of the target spans (8 for Kimi-K2.5).")
-    max_model_len: int | None = Field(default=None, ge=8, description="Longest prefill (default: max_length).")
+    max_model_len: int | None = Field(default=None, ge=8, description=(
+        "vLLM's context: the longest sample plus the one token a request must generate (default: max_length + 1)."))
     max_num_seqs: int = Field(default=8, ge=1, description="Samples prefilled together; also the requests in flight.")
     max_num_batched_tokens: int | None = Field(default=None, ge=8, description="Tokens per engine step (vLLM's default).")
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="Share of each GPU vLLM may take.")
@@ -301,6 +302,9 @@ class ExtractConfig(Strict):
 
     @model_validator(mode="after")
     def _one_engine(self) -> "ExtractConfig":
+        if self.vllm.max_model_len is not None and self.vllm.max_model_len <= self.max_length:
+            raise ValueError(f"vllm.max_model_len {self.vllm.max_model_len} must exceed max_length {self.max_length}: "
+                             "a request prefills the sample and generates one token")
         if self.backend == "vllm" and (self.workers > 1 or self.dask_address):
             raise ValueError("backend 'vllm' parallelises inside its server (vllm.tensor_parallel_size, "
                              "vllm.max_num_seqs); workers and dask_address are for backend 'hf'")

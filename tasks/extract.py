@@ -142,6 +142,14 @@ def precheck_samples(samples: list[Sample], vocab_size: int) -> list[Extracted |
     return results
 
 
+def as_result(index: int, r: Extracted | str) -> Extracted | Quarantined:
+    """An engine's outcome for sample `index`: its record (index set), or a quarantine with the reason."""
+    if isinstance(r, str):
+        return Quarantined(index, r)
+    r.index = index
+    return r
+
+
 def check_draft_vocab(t2d: torch.Tensor | None, vocab_size: int, topk: int) -> None:
     """The top-k teacher's draft vocab: a bool mask over the target vocab with at least `topk` tokens."""
     if t2d is None:
@@ -292,12 +300,7 @@ class HFExtractor:
         kept = [s for _, s in todo]
         for batch in self.batches(kept):
             for j, r in zip(batch, self._run([kept[j] for j in batch])):
-                index = todo[j][0]
-                if isinstance(r, str):
-                    results[index] = Quarantined(index, r)
-                else:
-                    r.index = index
-                    results[index] = r
+                results[todo[j][0]] = as_result(todo[j][0], r)
         return results  # type: ignore[return-value]  # every slot is filled above
 
     @torch.no_grad()

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from serving.vllm_server import (VllmHiddenStatesServer, VllmLaunch, clear_states_dir, default_vllm_python,
                                  read_hidden_states, vllm_layer_ids)
 from tasks.config import ExtractConfig
-from tasks.extract import (Extracted, ExtractSettings, Quarantined, Sample, TopkTeacher, precheck_samples,
+from tasks.extract import (Extracted, ExtractSettings, Quarantined, Sample, TopkTeacher, as_result, precheck_samples,
                            record_from_states, validate_aux_layer_ids)
 from tasks.target import TargetFiles, resolve_device
 
@@ -125,11 +125,7 @@ class VllmExtractor:
         with httpx.Client() as client, ThreadPoolExecutor(self.concurrency) as pool:
             # One request per sample, `concurrency` in flight: vLLM batches them itself.
             for i, r in zip(todo, pool.map(lambda i: self._one(client, samples[i]), todo)):
-                if isinstance(r, str):
-                    results[i] = Quarantined(i, r)
-                else:
-                    r.index = i
-                    results[i] = r
+                results[i] = as_result(i, r)
         return results  # type: ignore[return-value]  # every slot is filled above
 
     def _one(self, client: httpx.Client, sample: Sample) -> Extracted | str:
@@ -161,7 +157,7 @@ def open_vllm_extractor(config: ExtractConfig, files: TargetFiles, settings: Ext
     launch = VllmLaunch(
         model=files.folder, layer_ids=vllm_layer_ids(settings.aux_layer_ids, text.num_hidden_layers),
         states_dir=states_dir, dtype=config.target.dtype, tensor_parallel_size=v.tensor_parallel_size,
-        max_model_len=v.max_model_len or config.max_length, max_num_seqs=v.max_num_seqs,
+        max_model_len=v.max_model_len or config.max_length + 1, max_num_seqs=v.max_num_seqs,
         max_num_batched_tokens=v.max_num_batched_tokens, gpu_memory_utilization=v.gpu_memory_utilization,
         cpu_kvcache_space_gib=v.cpu_kvcache_space_gib, enforce_eager=v.enforce_eager,
         trust_remote_code=config.target.trust_remote_code,
