@@ -103,7 +103,7 @@ class VllmExtractor:
         self.vocab_size: int = text.vocab_size
         self.hidden_size: int = text.hidden_size
         validate_aux_layer_ids(settings.aux_layer_ids, self.num_layers)
-        expected = [i + 1 for i in settings.aux_layer_ids] + [self.num_layers]
+        expected = vllm_layer_ids(settings.aux_layer_ids, self.num_layers)
         if list(server.launch.layer_ids) != expected:
             raise ValueError(f"the vLLM server captures layers {server.launch.layer_ids}, but aux layer ids "
                              f"{settings.aux_layer_ids} need vLLM ids {expected} (vllm_layer_ids)")
