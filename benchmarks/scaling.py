@@ -5,8 +5,9 @@ the positions the draft is trained to predict), doubling from 25K (`--sizes`, `-
 
 Main arm (the pipeline's own design): one draft (`train.run_name` of the config) continued round after
 round. For each N, in order: regenerate in chunks (`limit`) until the workspace's generations (never
-held-out prompts) hold N completion tokens; take the first generations in the order extraction takes
-them (created_at, generation_id) whose completion tokens reach N; extract only those not yet extracted
+held-out prompts) hold N loss-masked tokens (each generation tokenised as extraction will tokenise it);
+take the first generations in the order extraction takes them (created_at, generation_id) whose
+loss-masked tokens reach N; extract only those not yet extracted
 (`limit`: the round holds the new data); train (the same run continues from its checkpoint, `epochs`
 passes over the new round); then measure the round's SGLang export. Regenerated data is kept: a rerun
 regenerates nothing that exists. If the disk budget stops an extraction early, the point takes more
@@ -87,7 +88,7 @@ def study_sizes(sizes: Iterable[int], max_size: int | None = None) -> list[int]:
 
 
 def generations_for(tokens: Iterable[int], size: int) -> int | None:
-    """How many of the first generations (in extraction order, these completion token counts) it takes
+    """How many of the first generations (in extraction order, these loss-masked token counts) it takes
     to reach `size` tokens; None when all of them together fall short."""
     total = 0
     for n, t in enumerate(tokens, start=1):
@@ -132,7 +133,8 @@ def append_result(path: Path, row: dict) -> None:
 def regenerate_chunk(missing_tokens: int, tokens_per_generation: float | None, lo: int = 16, hi: int = 400) -> int:
     """Prompts to ask the next regenerate call for: the missing tokens at the mean generation's length,
     plus 10%, between `lo` and `hi` (the next call continues, nothing is asked twice)."""
-    per = tokens_per_generation if tokens_per_generation and tokens_per_generation > 0 else 150.0
+    # mode 'all' answers every user turn: a ShareGPT conversation averages several hundred tokens
+    per = tokens_per_generation if tokens_per_generation and tokens_per_generation > 0 else 500.0
     return max(lo, min(hi, math.ceil(round(missing_tokens * 11 / per, 6) / 10)))
 
 
@@ -144,11 +146,13 @@ def _q(store, sql: str) -> list[tuple]:
     return store.query_readonly(sql)[1]
 
 
-def generation_tokens(store) -> list[int]:
-    """Completion tokens of the workspace's generations for non-held-out prompts, in extraction order."""
-    return [r[0] for r in _q(store, (
-        "SELECT coalesce(g.completion_tokens, 0) FROM generations g WHERE NOT EXISTS (SELECT 1 FROM records r "
-        "WHERE r.prompt_id = g.prompt_id AND r.outcome = 'heldout') ORDER BY g.created_at, g.generation_id"))]
+def generation_tokens(store) -> list[tuple[str, str, int]]:
+    """(generation_id, file relative to data/generations, completion tokens) of the workspace's generations for
+    non-held-out prompts, in extraction order."""
+    return [(g, f"{p}/{f}", int(t or 0)) for g, p, f, t in _q(store, (
+        "SELECT g.generation_id, g.params_key, g.file, g.completion_tokens FROM generations g WHERE NOT EXISTS "
+        "(SELECT 1 FROM records r WHERE r.prompt_id = g.prompt_id AND r.outcome = 'heldout') "
+        "ORDER BY g.created_at, g.generation_id"))]
 
 
 def first_generations(store, n: int) -> list[tuple[str, str]]:
@@ -222,16 +226,18 @@ class Costs:
 
 
 class Study:
-    def __init__(self, cfg, results: Path, ks: list[int], prompts: int, max_new: int, chunk_max: int) -> None:
+    def __init__(self, cfg, results: Path, ks: list[int], prompts: int, max_new: int, chunk_max: int,
+                 chunk_min: int = 16) -> None:
         from storage.lineage import LineageStore
 
         self.cfg, self.results, self.ks = cfg, results, ks
-        self.prompts, self.max_new, self.chunk_max = prompts, max_new, chunk_max
+        self.prompts, self.max_new, self.chunk_max, self.chunk_min = prompts, max_new, chunk_max, chunk_min
         self.ws = Path(cfg.workspace)
         self.store = LineageStore(self.ws / "lineage.duckdb")
         self.done = load_results(results)
         self._target = None
         self._bench = None
+        self._masked: dict[str, int] = {}  # generation id -> loss-masked tokens of its sample
         self.paths: dict = {}  # greedy decodings by prompt item id, shared by every point and k
 
     # -- data
@@ -247,12 +253,13 @@ class Study:
         from flows.regenerate import regenerate
 
         while True:
-            tokens = generation_tokens(self.store)
+            tokens = self.masked_tokens(generation_tokens(self.store))
             n = generations_for(tokens, size)
             if n is not None:
                 return n
             have = sum(tokens)
-            limit = regenerate_chunk(size - have, have / len(tokens) if tokens else None, hi=self.chunk_max)
+            limit = regenerate_chunk(size - have, have / len(tokens) if tokens else None, lo=self.chunk_min,
+                                     hi=self.chunk_max)
             print(f"regenerate: {have:,} of {size:,} tokens, asking {limit} more prompts", flush=True)
             s = regenerate(self.cfg.regenerate.model_copy(update={"limit": limit}))
             costs.regen_tokens += s.completion_tokens
@@ -260,6 +267,26 @@ class Study:
             if s.pending_at_start == 0:
                 raise SystemExit(f"{self.ws}: every discovered prompt is answered ({have:,} tokens) and {size:,} are "
                                  "needed: raise discover.sources[].limit and rerun (discover adds the new ones)")
+
+    def masked_tokens(self, gens: list[tuple[str, str, int]]) -> list[int]:
+        """Loss-masked tokens of each generation's sample, tokenised exactly as the main extraction tokenises
+        (tasks.chat.tokenise_rows with its max_length and overflow; cached): the study's sizes count these,
+        not completion tokens (a truncated conversation, or one whose rendering differs from the server's
+        ids, trains on fewer tokens than the target wrote)."""
+        from storage.datasets import read_generation_rows
+        from tasks.chat import Sample, tokenise_rows
+
+        todo = [(g, f) for g, f, _ in gens if g not in self._masked]
+        if todo:
+            found = self.store.extract_settings(None)
+            settings = found["settings"] if found else {"max_length": self.cfg.extract.max_length,
+                                                        "overflow": self.cfg.extract.overflow}
+            _, tokenizer, identity, _, _ = self.target()
+            rows = read_generation_rows(self.ws / "data" / "generations", todo)
+            for (g, _), t in zip(todo, tokenise_rows(tokenizer, rows, settings["max_length"], settings["overflow"],
+                                                      identity.chat_template)):
+                self._masked[g] = int(sum(t.result.loss_mask)) if isinstance(t.result, Sample) else 0
+        return [self._masked[g] for g, _, _ in gens]
 
     # -- measuring
     def target(self):
@@ -559,6 +586,7 @@ def main() -> None:
     ap.add_argument("--controls", type=int, nargs="*", default=None, help="sizes of the from-scratch controls")
     ap.add_argument("--ks", type=int, nargs="+", default=[3, 4], help="chain depths measured")
     ap.add_argument("--chunk", type=int, default=400, help="most prompts per regenerate call")
+    ap.add_argument("--chunk-min", type=int, default=None, help="fewest prompts per regenerate call (16; quick: 4)")
     ap.add_argument("--quick", action="store_true", help="smoke run: sizes 2000 4000, control 2000, runs/scaling-quick")
     ap.add_argument("--resume", action="store_true", default=True, help="skip measured points (the default)")
     ap.add_argument("--report", action="store_true", help="only write the table and plot from the results file")
@@ -588,7 +616,8 @@ def main() -> None:
     started = time.monotonic()
     try:
         bench = cfg.bench_section()
-        study = Study(cfg, results, args.ks, bench.prompts_per_domain, bench.max_new_tokens, args.chunk)
+        study = Study(cfg, results, args.ks, bench.prompts_per_domain, bench.max_new_tokens, args.chunk,
+                      args.chunk_min or (4 if args.quick else 16))
         print(f"scaling study in {cfg.workspace}: sizes {sizes}, controls {controls}, k {args.ks}; "
               f"{len(study.done)} point(s) already measured", flush=True)
         study.ensure_discovered()

@@ -52,7 +52,7 @@ def test_regenerate_chunks_cover_the_missing_tokens_within_bounds():
     assert scaling.regenerate_chunk(10_000, 100.0) == 110
     assert scaling.regenerate_chunk(10, 100.0) == 16
     assert scaling.regenerate_chunk(10_000_000, 100.0, hi=400) == 400
-    assert scaling.regenerate_chunk(1_500, None) == 16  # 150 tokens a generation assumed: 11, raised to 16
+    assert scaling.regenerate_chunk(1_500, None, lo=1) == 4  # 500 tokens a generation assumed until measured
 
 
 def test_table_lists_every_point_in_size_order(tmp_path):
