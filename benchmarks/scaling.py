@@ -507,6 +507,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path, k: int = 3) -> Path | None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -531,6 +532,9 @@ def plot(rows: list[dict], path: Path, k: int = 3) -> Path | None:
         if lookup:
             ax.axhline(lookup[-1], color=colors[dom], linestyle="--", alpha=0.8, label=f"prompt lookup ({dom})")
     ax.set_xscale("log", base=2)
+    ticks = sorted({r["train_tokens"] for r in at_k if r.get("train_tokens")})
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.set_xticks(ticks, [f"{t / 1000:,.1f}K" if t < 100_000 else f"{t / 1000:,.0f}K" for t in ticks])
     ax.set_xlabel("training tokens (loss-masked, target-written)")
     ax.set_ylabel(f"acceptance length (chain depth k={k}, greedy)")
     ax.set_title("EAGLE-3 draft for SmolLM2-135M-Instruct: acceptance vs training data")
