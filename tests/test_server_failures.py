@@ -159,7 +159,10 @@ def test_an_outage_longer_than_the_window_stops_with_one_error_and_the_rerun_is_
         prefect_api, tmp_path, workspace):
     prompts = discover_prompts(workspace, tmp_path, conversations(60, seed=9))
     port = free_port()
-    proc, url = spawn("--latency", "0.05", port=port, log_path=tmp_path / "server-a.log")
+    # Slow enough (60 prompts / 4 in flight x 0.3 s = 4.5 s) that the killer below sees 8 committed
+    # generations well before the last one: at 0.05 s the whole run could finish between two of its
+    # reads (it waits for the writer's lock), and nothing was ever killed (seen in CI).
+    proc, url = spawn("--latency", "0.3", port=port, log_path=tmp_path / "server-a.log")
     cfg = regen_config(workspace, [url], write_batch=4)
     cfg = cfg.model_copy(update={"retry": cfg.retry.model_copy(update={
         "probe_interval_s": 0.3, "eject_after_failures": 3, "outage_window_s": 2.0})})
