@@ -281,7 +281,9 @@ def export_gguf(sglang_folder: str | Path, target_folder: str | Path, out_file: 
     """
     from safetensors import safe_open
 
-    folder, target_folder, out_file = Path(sglang_folder), Path(target_folder), Path(out_file)
+    # Absolute: the converter runs with its stage folder as working directory, where a path
+    # relative to ours (a workspace like `runs/demo`) would name nothing.
+    folder, target_folder, out_file = Path(sglang_folder), Path(target_folder).resolve(), Path(out_file).resolve()
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype {outtype!r} is not one of {OUTTYPES}")
     problems = check_sglang(folder)

@@ -107,6 +107,14 @@ def test_non_default_ids_reach_the_gguf(target, tmp_path):
     assert llamacpp_capture_layers(info.target_layers, LAYERS) == [3, 10, 20]
 
 
+def test_relative_paths_work_as_in_a_workspace_like_runs_demo(target, tmp_path, monkeypatch):
+    """The demo's workspace is relative (`runs/demo`); the converter runs in its own stage folder."""
+    _sglang_export(target, tmp_path / "ws" / "sglang", (3, 10, 20), seed=1, sglang_version="before-pr25454")
+    monkeypatch.chdir(tmp_path)
+    out = export_gguf(Path("ws/sglang"), target, Path("ws/export/draft.gguf"))
+    assert out.is_file() and read_gguf_draft(out).target_layers == [4, 11, 21]
+
+
 def test_converter_failure_names_folder_command_and_output(default_ids, target, tmp_path):
     sglang, _, _ = default_ids
     broken = tmp_path / "broken-target"
