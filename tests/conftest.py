@@ -73,3 +73,21 @@ def tiny_target(tmp_path_factory) -> Path:
     from helpers import make_tiny_target
 
     return make_tiny_target(tmp_path_factory.mktemp("tiny-target"))
+
+
+@pytest.fixture
+def scripted(tmp_path):
+    """Start scripted OpenAI-compatible servers as real processes; all are killed at the end."""
+    from serving.scripted_server import spawn  # here, not at import: conftest sets the environment first
+
+    procs = []
+
+    def start(*args: str) -> str:
+        proc, url = spawn(*args, log_path=tmp_path / f"server-{len(procs)}.log")
+        procs.append(proc)
+        return url
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()

@@ -12,7 +12,6 @@ import pytest
 
 from flows.discover import discover
 from flows.regenerate import regenerate
-from serving.scripted_server import spawn
 from storage.lineage import LineageStore
 from tasks.config import DiscoverConfig, RegenerateConfig
 from tasks.heldout import HELDOUT_DOMAIN, chat_opening, choose_heldout, heldout_set, split_key
@@ -141,21 +140,6 @@ def test_the_cap_holds_across_runs(prefect_api, tmp_path, workspace):
     new_ids = [r[0] for r in rows(workspace, "SELECT prompt_id FROM record_outcomes WHERE source = 'b'")]
     assert any(split_key(p) < 0.5 for p in new_ids)  # candidates existed, but the cap is full
     assert s2.outcomes["heldout"] == 0 and s2.outcomes["kept"] == 30 and s2.reconciles
-
-
-@pytest.fixture
-def scripted(tmp_path):
-    procs = []
-
-    def start(*args: str) -> str:
-        proc, url = spawn(*args, log_path=tmp_path / f"server-{len(procs)}.log")
-        procs.append(proc)
-        return url
-
-    yield start
-    for p in procs:
-        p.kill()
-        p.wait()
 
 
 def test_regenerate_never_writes_a_generation_for_a_heldout_prompt(prefect_api, scripted, tmp_path, workspace):

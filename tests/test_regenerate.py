@@ -19,28 +19,12 @@ import yaml
 from flows.discover import discover
 from flows.regenerate import regenerate
 from serving.embedded import free_port
-from serving.scripted_server import answer_for, spawn
+from serving.scripted_server import answer_for
 from storage.lineage import LineageStore
 from tasks.config import DiscoverConfig, RegenerateConfig
 from tasks.regenerate import flags_for, generation_id
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def scripted(tmp_path):
-    """Start scripted OpenAI-compatible servers as real processes; all are killed at the end."""
-    procs = []
-
-    def start(*args: str) -> str:
-        proc, url = spawn(*args, log_path=tmp_path / f"server-{len(procs)}.log")
-        procs.append(proc)
-        return url
-
-    yield start
-    for p in procs:
-        p.kill()
-        p.wait()
 
 
 def conversations(n: int, seed: int = 0) -> list[dict]:
