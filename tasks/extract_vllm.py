@@ -66,8 +66,12 @@ class TargetTensors:
         raise KeyError(f"{self.folder}: none of {names} among its {len(self.where)} tensors")
 
 
-def load_final_norm_and_head(folder: Path, config) -> tuple[torch.Tensor, float, torch.Tensor]:
-    """The target's final norm weight, its epsilon, and its lm_head weight (the input embedding when tied)."""
+def load_final_norm_and_head(folder: Path, config, with_head: bool = True) -> tuple[torch.Tensor, float, torch.Tensor | None]:
+    """The target's final norm weight, its epsilon, and its lm_head weight (the input embedding when tied).
+
+    `with_head=False` skips the lm_head (None): only the top-k teacher needs it, and for Kimi-K2.5 it
+    is 2.3 GB to read.
+    """
     text = text_config(config)
     model_type = getattr(text, "model_type", None)
     if model_type not in RMSNORM_MODEL_TYPES:
@@ -76,13 +80,17 @@ def load_final_norm_and_head(folder: Path, config) -> tuple[torch.Tensor, float,
     tensors = TargetTensors(folder)
     prefixes = ["", "language_model.", "model.language_model."]
     _, norm = tensors.first([p + "model.norm.weight" for p in prefixes] + ["model.language_model.norm.weight"])
+    if norm.shape != (text.hidden_size,):
+        raise ValueError(f"{folder}: final norm {tuple(norm.shape)} does not match hidden size {text.hidden_size}")
+    if not with_head:
+        return norm, float(text.rms_norm_eps), None
     heads = [p + "lm_head.weight" for p in prefixes]
     if getattr(text, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False):
         heads += [p + "model.embed_tokens.weight" for p in prefixes] + ["model.language_model.embed_tokens.weight"]
     _, head = tensors.first(heads)
-    if norm.shape != (text.hidden_size,) or head.shape != (text.vocab_size, text.hidden_size):
-        raise ValueError(f"{folder}: final norm {tuple(norm.shape)} / lm_head {tuple(head.shape)} do not match "
-                         f"hidden size {text.hidden_size} and vocab {text.vocab_size}")
+    if head.shape != (text.vocab_size, text.hidden_size):
+        raise ValueError(f"{folder}: lm_head {tuple(head.shape)} does not match vocab {text.vocab_size} x hidden size "
+                         f"{text.hidden_size}")
     return norm, float(text.rms_norm_eps), head
 
 
@@ -162,11 +170,11 @@ def open_vllm_extractor(config: ExtractConfig, files: TargetFiles, settings: Ext
         cpu_kvcache_space_gib=v.cpu_kvcache_space_gib, enforce_eager=v.enforce_eager,
         trust_remote_code=config.target.trust_remote_code,
         python=Path(v.python) if v.python else default_vllm_python(), extra_args=tuple(v.extra_args))
-    norm, eps, head = load_final_norm_and_head(files.folder, files.config)
+    topk = settings.teacher == "topk"
+    norm, eps, head = load_final_norm_and_head(files.folder, files.config, with_head=topk)
     # The top-k teacher's matmul over the full vocab (163,840 x 7168 for Kimi-K2.5: ~10 TFLOP per
     # 4K-token sample) belongs on a GPU: `target.device` (the room vLLM's memory share leaves).
     device = resolve_device(config.target.device)
     with VllmHiddenStatesServer(launch, log_path=log_path, startup_timeout_s=v.startup_timeout_s) as server:
-        topk = settings.teacher == "topk"
         yield VllmExtractor(server, settings, files.config, norm, eps, head.to(device) if topk else None,
                             t2d if topk else None, concurrency=v.max_num_seqs)
