@@ -205,6 +205,32 @@ def check_against_server_ids(sample: Sample, prompt_token_ids: Sequence[int],
     return None
 
 
+def carry_mask(our_ids: Sequence[int], our_mask: Sequence[int], server_ids: Sequence[int]) -> list[int]:
+    """Our loss mask carried onto the server's tokenisation of the same text (`server_ids` may be a prefix of it).
+
+    The two sequences are aligned (difflib, no junk heuristic, so frequent ids like "\n" still
+    anchor): where the ids agree the mask is copied; a run tokenised differently on the two sides
+    (llama.cpp merging "\n\n" where the template's tokenizer does not, say) is masked only when
+    our side of it lies wholly inside a masked turn, and a server run with no counterpart only when
+    both our neighbours are masked. Anything crossing a turn boundary stays 0: losing a few tokens
+    of signal is cheap, teaching a user's or header token as target output is not.
+    Why it matters: a multi-turn sample's earlier assistant turns are target-written too; an
+    all-or-nothing rule zeroed all of them on any difference (about a third of the tokens).
+    """
+    from difflib import SequenceMatcher
+
+    our_ids, our_mask, server_ids = list(our_ids), list(our_mask), list(server_ids)
+    mask = [0] * len(server_ids)
+    for tag, i1, i2, j1, j2 in SequenceMatcher(None, our_ids, server_ids, autojunk=False).get_opcodes():
+        if tag == "equal":
+            mask[j1:j2] = our_mask[i1:i2]
+        elif tag == "replace" and all(our_mask[i1:i2]):
+            mask[j1:j2] = [1] * (j2 - j1)
+        elif tag == "insert" and 0 < i1 < len(our_mask) and our_mask[i1 - 1] and our_mask[i1]:
+            mask[j1:j2] = [1] * (j2 - j1)
+    return mask
+
+
 def mismatch_report(checks: Iterable[tuple[Sample, Sequence[int], Sequence[int]]]) -> MismatchReport:
     """Check (sample, prompt ids, completion ids) triples; the mismatch rate and the first mismatching one."""
     checked = 0
@@ -261,8 +287,8 @@ def tokenise_generation(tokenizer: PreTrainedTokenizerBase, messages: Sequence[M
     `last_turn` is the record of the request that wrote the final assistant turn; where it holds
     the server's `prompt_token_ids` and `completion_token_ids`, our rendering is checked against
     them and, if they differ, the sample is built from the server's ids (what the target actually
-    saw and produced), with the mask of our rendering kept on the prompt part only where the ids
-    agree. `stored` is a pre-tokenised (input_ids, loss_mask) pair from an import: used as given
+    saw and produced), with the mask of our rendering carried onto the prompt part by
+    `carry_mask` (the earlier assistant turns, also target-written, stay in the sample). `stored` is a pre-tokenised (input_ids, loss_mask) pair from an import: used as given
     after a shape check. Length limits apply last, so the id check sees the whole conversation.
     """
     if stored is not None:
@@ -292,7 +318,12 @@ def tokenise_generation(tokenizer: PreTrainedTokenizerBase, messages: Sequence[M
     if last_turn.get("finish_reason") == "stop" and (not completion_ids or completion_ids[-1] not in eot):
         ids.append(tokenizer.eos_token_id)  # the server stopped on it without returning it (llama.cpp does)
     n = len(prompt_ids)
-    prompt_mask = full.loss_mask[:n] if full.input_ids[:n] == list(prompt_ids) else [0] * n
+    # Aligned against our prompt part only (up to the last turn's first masked token), so no server
+    # prompt token can pair with a token of the answer it was generating.
+    start = max(i for i, m in enumerate(full.loss_mask) if m)
+    while start and full.loss_mask[start - 1]:
+        start -= 1
+    prompt_mask = carry_mask(full.input_ids[:start], full.loss_mask[:start], prompt_ids)
     sample = Sample(ids, prompt_mask + [1] * (len(ids) - n))
     return Tokenised(fit_length(sample, max_length, overflow), "mismatch", mismatch, "server")
 

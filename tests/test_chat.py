@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tasks.chat import (Mismatch, Sample, Skipped, check_against_server_ids, mismatch_report, prompt_messages,
+from tasks.chat import (Mismatch, Sample, Skipped, carry_mask, check_against_server_ids, mismatch_report, prompt_messages,
                         render_and_mask, template_supports_reasoning, tokenise_generation)
 from tasks.target import gguf_chat_template, smollm2_gguf_path
 
@@ -251,3 +251,49 @@ def test_generation_samples_use_the_servers_ids_where_they_differ(tok):
     assert stored.result == Sample([5, 6, 7], [0, 1, 1], truncated_tokens=1, truncated_masked_tokens=1)
     bad = tokenise_generation(tok, THREE_TURNS, None, 10, stored=([5, 6], [0, 2]))
     assert isinstance(bad.result, Skipped) and "mask must be 0/1" in bad.result.reason
+
+
+def test_earlier_assistant_turns_keep_their_mask_when_the_server_tokenised_them_differently(tok):
+    """llama.cpp re-tokenises the history it is sent; where one earlier-turn token comes back split
+    (or merged), that turn is still target-written and must stay in the sample, while a change in a
+    user turn stays unmasked."""
+    ours = render_and_mask(tok, THREE_TURNS, 4096)
+    prompt = _template_ids(tok, prompt_messages(THREE_TURNS), True)
+    first, second = _runs(ours.loss_mask, 1)[:2]
+    # split one token in the middle of the first assistant turn into two (same text, other ids)
+    k = (first[0] + first[1]) // 2
+    text = tok.decode([prompt[k]])
+    pieces = tok(text[:1], add_special_tokens=False)["input_ids"] + tok(text[1:], add_special_tokens=False)["input_ids"]
+    assert len(text) > 1 and pieces != [prompt[k]]
+    # and change one token of the user turn between the two assistant turns
+    u = second[0] - 3
+    assert ours.loss_mask[u] == 0
+    server_prompt = prompt[:k] + pieces + prompt[k + 1:u] + [prompt[u] + 1] + prompt[u + 1:]
+    completion = tok(THREE_TURNS[-1]["content"], add_special_tokens=False)["input_ids"]
+    turn = {"prompt_token_ids": server_prompt, "completion_token_ids": completion, "finish_reason": "stop"}
+
+    got = tokenise_generation(tok, THREE_TURNS, turn, 4096)
+    assert got.id_check == "mismatch" and got.source == "server"
+    assert got.mismatch.part == "prompt" and got.mismatch.position == k
+    want_prompt = ours.loss_mask[:k] + [1] * len(pieces) + ours.loss_mask[k + 1:len(prompt)]
+    assert got.result.input_ids == server_prompt + completion + [tok.eos_token_id]
+    assert got.result.loss_mask == want_prompt + [1] * (len(completion) + 1)
+    # every earlier assistant token (both turns, with their end-of-turn ids) is kept
+    assert got.result.num_masked == ours.num_masked + len(pieces) - 1
+
+
+def test_carry_mask_copies_where_ids_agree_and_never_across_a_turn_boundary():
+    ids = [10, 11, 12, 13, 14, 15, 16]
+    mask = [0, 0, 1, 1, 1, 0, 0]
+    assert carry_mask(ids, mask, ids) == mask
+    assert carry_mask(ids, mask, ids[:4]) == mask[:4]  # a prefix of our text
+    # inside a turn: replaced or inserted ids are masked
+    assert carry_mask(ids, mask, [10, 11, 12, 90, 91, 14, 15, 16]) == [0, 0, 1, 1, 1, 1, 0, 0]
+    assert carry_mask(ids, mask, [10, 11, 12, 13, 92, 14, 15, 16]) == [0, 0, 1, 1, 1, 1, 0, 0]
+    # a run that crosses the turn's end (ours: 14 masked, 15 not) stays 0; so does an insert at its edge
+    assert carry_mask(ids, mask, [10, 11, 12, 13, 93, 16]) == [0, 0, 1, 1, 0, 0]
+    assert carry_mask(ids, mask, [10, 11, 12, 13, 14, 94, 15, 16]) == [0, 0, 1, 1, 1, 0, 0, 0]
+    # frequent ids still anchor the alignment (no junk heuristic): a long run of one id, one changed
+    long_ids = [7] * 300 + [1, 2, 3]
+    long_mask = [1] * 300 + [0, 0, 0]
+    assert carry_mask(long_ids, long_mask, [7] * 150 + [8] + [7] * 149 + [1, 2, 3]) == long_mask
