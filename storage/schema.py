@@ -28,6 +28,9 @@ EXAMPLE_QUERIES: list[tuple[str, str]] = [
     ("Acceptance length of each drafter, latest benchmark first",
      "SELECT checkpoint, drafter, domain, round(acceptance_token_weighted, 2) AS acceptance, requests "
      "FROM benchmark_results WHERE kind = 'offline' ORDER BY created_at DESC, domain, drafter"),
+    ("Does more data buy acceptance? Each checkpoint's held-out acceptance against its training tokens",
+     "SELECT run_name, training_tokens, training_conversations, drafter, round(acceptance_length, 2) AS acceptance "
+     "FROM acceptance_curve WHERE domain = 'heldout_chat' ORDER BY run_name, training_tokens, drafter"),
 ]
 
 

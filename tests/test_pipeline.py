@@ -19,6 +19,7 @@ import yaml
 
 from serving.embedded import free_port, port_free
 from storage.lineage import LineageStore
+from storage.schema import EXAMPLE_QUERIES
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("discover", "regenerate", "extract", "train", "benchmark")
@@ -103,12 +104,12 @@ def test_the_whole_pipeline_runs_end_to_end_on_the_embedded_default(finished):
     store = LineageStore(ws / "lineage.duckdb")
     rounds = store.query_readonly("SELECT count(*) FROM train_rounds WHERE run_name = 'slice'")[1][0][0]
     assert rounds >= 2  # the budget filled and emptied at least once
-    # the closing summary names the numbers, the lineage file and three runnable queries
+    # the closing summary names the numbers, the lineage file and the runnable example queries
     out = done.stdout
     for line in ("records in", "generations (completion tokens)", "peak disk / budget", "training accuracy",
                  "acceptance length: EAGLE-3 draft", "prompt lookup", f"lineage: {ws / 'lineage.duckdb'}"):
         assert line in out, line
-    assert out.count("eagle3 sql -w") == 3
+    assert out.count("eagle3 sql -w") == len(EXAMPLE_QUERIES)
     assert "…" not in out, "a table column was cut"
     # the pipeline's own lineage row records each stage, every round included
     stages = json.loads(store.query_readonly(
