@@ -181,9 +181,12 @@ def test_a_kill_9_inside_each_stage_in_turn_then_resume_loses_and_duplicates_not
     ws = tmp_path / "ws"
     port = free_port()
     config = slice_config(ws, tmp_path / "slice.yaml", port)
+    store = LineageStore(ws / "lineage.duckdb")
+    written = "SELECT generation_id, file, completion_tokens, finish_reasons FROM generations ORDER BY 1"
+    before_resume: set = set()
     for stage in STAGES:
         _kill_inside(config, ws, stage, port)
-    store = LineageStore(ws / "lineage.duckdb")
+        before_resume |= set(map(_hashable, store.query_readonly(written)[1]))
     # each stage was interrupted in turn (a later start marks the dead process's rows CRASHED)
     killed = store.query_readonly("SELECT DISTINCT flow FROM runs WHERE state IN ('RUNNING', 'CRASHED')")[1]
     assert {f for (f,) in killed} >= set(STAGES) | {"pipeline"}
@@ -196,8 +199,16 @@ def test_a_kill_9_inside_each_stage_in_turn_then_resume_loses_and_duplicates_not
     assert not store.query_readonly("SELECT * FROM runs WHERE state = 'RUNNING'")[1]
     # the same prompts, generations and extracted samples as the uninterrupted run
     assert _ids(store) == _ids(LineageStore(ws_a / "lineage.duckdb"))
-    texts = "SELECT generation_id, completion_tokens FROM generations ORDER BY 1"
-    assert store.query_readonly(texts)[1] == LineageStore(ws_a / "lineage.duckdb").query_readonly(texts)[1]
+    # and no generation written before a kill was rewritten after it. Their texts are not compared with
+    # the uninterrupted run's: the server decodes its slots together, and a greedy answer can change with
+    # what shares its batch (float rounding), which a resume changes (seen in CI: 65 tokens against 72).
+    after = set(map(_hashable, store.query_readonly(written)[1]))
+    assert before_resume and before_resume <= after
+    assert all(tokens > 0 for _, _, tokens, _ in after)
+
+
+def _hashable(row: tuple) -> tuple:
+    return tuple(tuple(v) if isinstance(v, list) else v for v in row)
 
 
 def test_rounds_stop_when_done_and_refuse_to_spin_on_a_full_budget(prefect_api, tmp_path):
