@@ -197,6 +197,42 @@ def lineage_regenerate_rate(store) -> float | None:
     return tokens / seconds if seconds else None
 
 
+def parse_change(text: str) -> dict[str, object]:
+    """One ablation arm from the command line: `train.lr=0.003` or `train.schedule=cosine,train.total_steps=60`
+    (YAML values); only `extract.` and `train.` fields, since the arm re-extracts and retrains."""
+    import yaml
+
+    change: dict[str, object] = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        section, _, name = key.strip().partition(".")
+        if not sep or section not in ("extract", "train") or not name:
+            raise ValueError(f"ablation {text!r}: expected extract.FIELD=VALUE or train.FIELD=VALUE, got {part!r}")
+        change[f"{section}.{name}"] = yaml.safe_load(value)
+    return change
+
+
+def ablation_arm(change: dict[str, object] | None) -> tuple[str, str]:
+    """The arm's name in the results (`scratch` for the plain control) and its workspace and run suffix."""
+    if not change:
+        return SCRATCH, ""
+    label = ",".join(f"{k}={v}" for k, v in change.items())
+    slug = "".join(c if c.isalnum() or c in "._-" else "-" for c in label.replace("=", "-").replace(",", "_"))
+    return f"{SCRATCH} {label}", f"-{slug}"
+
+
+def changed_configs(cfg, change: dict[str, object] | None):
+    """The extract and train sections with the ablation's fields replaced, validated (an unknown field or a
+    bad value fails before any work)."""
+    sections = {"extract": cfg.extract.model_dump(), "train": cfg.train.model_dump()}
+    for key, value in (change or {}).items():
+        section, name = key.split(".", 1)
+        if name not in sections[section] or name in ("workspace", "run_name"):
+            raise ValueError(f"ablation {key}: {section} has no field {name!r} an ablation may change")
+        sections[section][name] = value
+    return type(cfg.extract).model_validate(sections["extract"]), type(cfg.train).model_validate(sections["train"])
+
+
 # ---------------------------------------------------------------- the study
 
 @dataclass
@@ -397,7 +433,9 @@ class Study:
         self.record(MAIN, size, measured, info)
         self.show(MAIN, size)
 
-    def control_point(self, size: int) -> None:
+    def control_point(self, size: int, change: dict[str, object] | None = None) -> None:
+        """A from-scratch draft on the main arm's first `size` tokens; with `change` (an ablation: dotted
+        `extract.` / `train.` fields and their values) the same, with that one thing changed."""
         from flows.extract import extract
         from flows.regenerate import regenerate
         from flows.train import train
@@ -405,16 +443,18 @@ class Study:
         from tasks.config import ImportConfig, RegenerateConfig
         from tasks.target import embedded_identity
 
-        ks = missing_ks(self.done, SCRATCH, size, self.ks)
+        arm, slug = ablation_arm(change)
+        ks = missing_ks(self.done, arm, size, self.ks)
         if not ks:
-            print(f"scratch {size:,}: measured, skipped", flush=True)
+            print(f"{arm} {size:,}: measured, skipped", flush=True)
             return
+        extract_cfg, train_cfg = changed_configs(self.cfg, change)
         t0 = time.monotonic()
         costs = Costs()
         n_gen = self.ensure_generations(size, costs)  # normally there already: the main arm ran this size
-        cws = self.ws / "controls" / f"scratch-{size}"
+        cws = self.ws / "controls" / f"scratch-{size}{slug}"
         cstore = LineageStore(cws / "lineage.duckdb")
-        run_name = f"{self.cfg.train.run_name}-scratch-{size}"
+        run_name = f"{self.cfg.train.run_name}-scratch-{size}{slug}"
         if not generation_tokens(cstore):
             path = self.import_file(n_gen, cws / "imports" / f"first-{size}.jsonl")
             _, revision, template_id = embedded_identity(
@@ -427,15 +467,15 @@ class Study:
                 imports=[ImportConfig(name=f"first-{size}", path=str(path), near_dedupe=d.near_dedupe,
                                       decontaminate=d.decontaminate)]))
             costs.notes.append(f"imported {s.imported} of {n_gen} generations in {time.monotonic() - t1:.0f} s")
-            print(f"scratch {size:,}: imported {s.imported} of {n_gen} generations into {cws}", flush=True)
+            print(f"{arm} {size:,}: imported {s.imported} of {n_gen} generations into {cws}", flush=True)
         t1 = time.monotonic()
-        s = extract(self.cfg.extract.model_copy(update={"workspace": str(cws), "limit": None}))
+        s = extract(extract_cfg.model_copy(update={"workspace": str(cws), "limit": None}))
         costs.extract_s += time.monotonic() - t1
         costs.extract_tokens += s.tokens
         costs.extract_masked += s.masked_tokens
         before = trained_positions(cstore, run_name)
         t1 = time.monotonic()
-        train(self.cfg.train.model_copy(update={"workspace": str(cws), "run_name": run_name}))
+        train(train_cfg.model_copy(update={"workspace": str(cws), "run_name": run_name}))
         costs.train_s += time.monotonic() - t1
         costs.train_positions += trained_positions(cstore, run_name) - before
         row = cstore.checkpoint_row(fmt="sglang")
@@ -446,9 +486,10 @@ class Study:
         info = {"run_name": run_name, "workspace": str(cws), "checkpoint": row["checkpoint"], "export": row["path"],
                 "generations": n_gen, "samples": samples, "sample_tokens": tokens, "train_tokens": masked,
                 "trained_positions": trained_positions(cstore, run_name), "notes": costs.notes,
-                **costs.rates(lineage_regenerate_rate(self.store)), "wall_s": time.monotonic() - t0}
-        self.record(SCRATCH, size, measured, info)
-        self.show(SCRATCH, size)
+                "change": change or {}, **costs.rates(lineage_regenerate_rate(self.store)),
+                "wall_s": time.monotonic() - t0}
+        self.record(arm, size, measured, info)
+        self.show(arm, size)
 
     def import_file(self, n_gen: int, path: Path) -> Path:
         """The first n_gen generations of the main workspace as import records: their conversations with the
@@ -591,7 +632,8 @@ def quick_config(cfg):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", type=Path, default=ROOT / "benchmarks" / "scaling.yaml")
-    ap.add_argument("--sizes", type=int, nargs="+", default=None, help="training tokens of each point")
+    ap.add_argument("--sizes", type=int, nargs="*", default=None,
+                    help="training tokens of each point (none: only controls and ablations)")
     ap.add_argument("--max-size", type=int, default=None, help="add doublings of the largest size up to this")
     ap.add_argument("--controls", type=int, nargs="*", default=None, help="sizes of the from-scratch controls")
     ap.add_argument("--ks", type=int, nargs="+", default=[3, 4], help="chain depths measured")
@@ -600,6 +642,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smoke run: sizes 2000 4000, control 2000, runs/scaling-quick")
     ap.add_argument("--resume", action="store_true", default=True, help="skip measured points (the default)")
     ap.add_argument("--report", action="store_true", help="only write the table and plot from the results file")
+    ap.add_argument("--ablate", nargs="*", default=[], metavar="SECTION.FIELD=VALUE[,...]",
+                    help="ablation arms: each a from-scratch draft at --ablate-size with these fields changed")
+    ap.add_argument("--ablate-size", type=int, default=50_000, help="training tokens of the ablation arms")
     args = ap.parse_args()
 
     from tasks.config import load_config
@@ -607,7 +652,11 @@ def main() -> None:
     cfg = load_config(args.config)
     if args.quick:
         cfg = quick_config(cfg)
-    sizes = study_sizes(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES), args.max_size)
+    changes = [parse_change(a) for a in args.ablate]
+    for change in changes:
+        changed_configs(cfg, change)  # refuse a bad arm before hours of work
+    asked = args.sizes if args.sizes is not None else (QUICK_SIZES if args.quick else DEFAULT_SIZES)
+    sizes = study_sizes(asked, args.max_size) if asked else []
     controls = sorted(set(args.controls if args.controls is not None else
                           (QUICK_CONTROLS if args.quick else DEFAULT_CONTROLS)))
     results = Path(cfg.workspace) / "reports" / "scaling.jsonl"
@@ -638,6 +687,8 @@ def main() -> None:
         for size in controls:
             if size not in sizes:
                 study.control_point(size)
+        for change in changes:
+            study.control_point(args.ablate_size, change)
     finally:
         if server is not None:
             server.terminate()

@@ -70,3 +70,28 @@ def test_table_lists_every_point_in_size_order(tmp_path):
     scaling.write_report(path)
     assert (tmp_path / "reports" / "scaling.png").stat().st_size > 1000
     assert "| 4,000 | scratch | 4 |" in (tmp_path / "reports" / "scaling.md").read_text()
+
+
+def test_an_ablation_arm_changes_only_its_fields_and_refuses_a_bad_one():
+    from tasks.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "benchmarks" / "scaling.yaml")
+    change = scaling.parse_change("train.schedule=cosine, train.total_steps=60")
+    assert change == {"train.schedule": "cosine", "train.total_steps": 60}
+    extract, train = scaling.changed_configs(cfg, change)
+    assert (train.schedule, train.total_steps) == ("cosine", 60)
+    assert train.lr == cfg.train.lr and extract == cfg.extract  # nothing else moved
+    extract, _ = scaling.changed_configs(cfg, scaling.parse_change("extract.draft_vocab_size=16384"))
+    assert extract.draft_vocab_size == 16384
+    # the plain control keeps its name and workspace; an arm gets its own, safe as a path and a run name
+    assert scaling.ablation_arm(None) == ("scratch", "")
+    arm, slug = scaling.ablation_arm(change)
+    assert arm == "scratch train.schedule=cosine,train.total_steps=60"
+    assert slug == "-train.schedule-cosine_train.total_steps-60"
+    for bad in ("lr=0.1", "benchmark.draft_tokens=4", "train.lr"):
+        with pytest.raises(ValueError, match="ablation"):
+            scaling.parse_change(bad)
+    with pytest.raises(ValueError, match="no field"):
+        scaling.changed_configs(cfg, {"train.no_such_field": 1})
+    with pytest.raises(ValueError):  # pydantic: a value the field refuses
+        scaling.changed_configs(cfg, {"train.epochs": 0})
