@@ -199,16 +199,20 @@ def lineage_regenerate_rate(store) -> float | None:
 
 def parse_change(text: str) -> dict[str, object]:
     """One ablation arm from the command line: `train.lr=0.003` or `train.schedule=cosine,train.total_steps=60`
-    (YAML values); only `extract.` and `train.` fields, since the arm re-extracts and retrains."""
+    (YAML values); `extract.` and `train.` fields, since the arm re-extracts and retrains, and `data.loss_on`
+    (`assistant`, the pipeline's samples, or `all`: the same conversations with every token trained on)."""
     import yaml
 
     change: dict[str, object] = {}
     for part in text.split(","):
         key, sep, value = part.partition("=")
         section, _, name = key.strip().partition(".")
-        if not sep or section not in ("extract", "train") or not name:
-            raise ValueError(f"ablation {text!r}: expected extract.FIELD=VALUE or train.FIELD=VALUE, got {part!r}")
+        if not sep or section not in ("extract", "train", "data") or not name:
+            raise ValueError(f"ablation {text!r}: expected extract.FIELD=VALUE, train.FIELD=VALUE or "
+                             f"data.loss_on=assistant|all, got {part!r}")
         change[f"{section}.{name}"] = yaml.safe_load(value)
+        if section == "data" and (name, change[f"{section}.{name}"]) not in (("loss_on", "assistant"), ("loss_on", "all")):
+            raise ValueError(f"ablation {text!r}: the data change is data.loss_on=assistant|all, got {part!r}")
     return change
 
 
@@ -227,6 +231,8 @@ def changed_configs(cfg, change: dict[str, object] | None):
     sections = {"extract": cfg.extract.model_dump(), "train": cfg.train.model_dump()}
     for key, value in (change or {}).items():
         section, name = key.split(".", 1)
+        if section == "data":
+            continue  # the import's loss masks (Study.import_file), not a config field
         if name not in sections[section] or name in ("workspace", "run_name"):
             raise ValueError(f"ablation {key}: {section} has no field {name!r} an ablation may change")
         sections[section][name] = value
@@ -456,7 +462,8 @@ class Study:
         cstore = LineageStore(cws / "lineage.duckdb")
         run_name = f"{self.cfg.train.run_name}-scratch-{size}{slug}"
         if not generation_tokens(cstore):
-            path = self.import_file(n_gen, cws / "imports" / f"first-{size}.jsonl")
+            path = self.import_file(n_gen, cws / "imports" / f"first-{size}.jsonl",
+                                    loss_on=str((change or {}).get("data.loss_on", "assistant")))
             _, revision, template_id = embedded_identity(
                 self.cfg.regenerate.embedded_server.gguf if self.cfg.regenerate.embedded_server else None)
             d = self.cfg.discover
@@ -491,9 +498,10 @@ class Study:
         self.record(arm, size, measured, info)
         self.show(arm, size)
 
-    def import_file(self, n_gen: int, path: Path) -> Path:
+    def import_file(self, n_gen: int, path: Path, loss_on: str = "assistant") -> Path:
         """The first n_gen generations of the main workspace as import records: their conversations with the
-        token ids and loss masks the main extraction made of them (so the control trains on the same samples)."""
+        token ids and loss masks the main extraction made of them (so the control trains on the same samples);
+        `loss_on="all"`: every token's mask set (system and user turns and template tokens trained on too)."""
         from storage.datasets import read_generation_rows
         from tasks.chat import Sample, tokenise_rows
 
@@ -511,8 +519,9 @@ class Study:
             for row, t in zip(rows, tokenised):
                 if isinstance(t.result, Sample):
                     msgs = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
+                    mask = [1] * len(t.result.loss_mask) if loss_on == "all" else list(map(int, t.result.loss_mask))
                     f.write(json.dumps({"messages": msgs, "input_ids": list(map(int, t.result.input_ids)),
-                                        "loss_mask": list(map(int, t.result.loss_mask))}) + "\n")
+                                        "loss_mask": mask}) + "\n")
         tmp.replace(path)
         return path
 

@@ -88,7 +88,9 @@ def test_an_ablation_arm_changes_only_its_fields_and_refuses_a_bad_one():
     arm, slug = scaling.ablation_arm(change)
     assert arm == "scratch train.schedule=cosine,train.total_steps=60"
     assert slug == "-train.schedule-cosine_train.total_steps-60"
-    for bad in ("lr=0.1", "benchmark.draft_tokens=4", "train.lr"):
+    loss_all = scaling.parse_change("data.loss_on=all")
+    assert scaling.changed_configs(cfg, loss_all) == (cfg.extract, cfg.train)  # the import's masks, no field
+    for bad in ("lr=0.1", "benchmark.draft_tokens=4", "train.lr", "data.loss_on=users", "data.shuffle=1"):
         with pytest.raises(ValueError, match="ablation"):
             scaling.parse_change(bad)
     with pytest.raises(ValueError, match="no field"):
