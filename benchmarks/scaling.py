@@ -561,6 +561,31 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def ablation_table(rows: list[dict]) -> str:
+    """Each ablation arm against the plain from-scratch control of its size and k: the change, acceptance and
+    its difference, and the training speed (the cost side of a recipe change)."""
+    plain = {(r["size"], r["k"]): r for r in rows if r["arm"] == SCRATCH}
+    arms = sorted((r for r in rows if r["arm"].startswith(SCRATCH + " ") and (r["size"], r["k"]) in plain),
+                  key=lambda r: (r["size"], r["k"], r["arm"]))
+    if not arms:
+        return ""
+
+    def delta(r: dict, key: str) -> str:
+        a, b = r.get(key), plain[(r["size"], r["k"])].get(key)
+        return "-" if a is None or b is None else f"{a - b:+.2f}"
+
+    head = ["size", "k", "change", "heldout AL", "vs control", "HE AL", "vs control", "per-pos heldout",
+            "train tok/s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in [plain[key] for key in sorted({(a["size"], a["k"]) for a in arms})] + arms:
+        change = r["arm"][len(SCRATCH) + 1:] or "(control)"
+        lines.append("| " + " | ".join([
+            f"{r['size']:,}", str(r["k"]), change, _f(r.get("eagle3_heldout_chat")), delta(r, "eagle3_heldout_chat"),
+            _f(r.get("eagle3_humaneval")), delta(r, "eagle3_humaneval"), _pos(r.get("eagle3_heldout_chat_pos")),
+            _f(r.get("train_tok_s"), 0)]) + " |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], path: Path, k: int = 3) -> Path | None:
     import matplotlib
     import matplotlib.ticker
@@ -613,6 +638,10 @@ def write_report(results: Path, k_plot: int = 3) -> str:
             "the final state; per-pos = acceptance rate at each draft position (EAGLE-3); train tok = loss-masked "
             "tokens of the samples trained on; regen tok/s = completion tokens/s, extract tok/s = all prefilled "
             "tokens/s, train tok/s = loss-masked positions/s (epochs counted).\n\n" + table + "\n")
+    ablations = ablation_table(rows)
+    if ablations:
+        text += "\n## Ablations (one change each against the from-scratch control)\n\n" + ablations + "\n"
+        table += "\n\n" + ablations
     (results.parent / "scaling.md").write_text(text)
     plot(rows, results.parent / "scaling.png", k_plot)
     return table

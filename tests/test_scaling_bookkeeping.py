@@ -97,3 +97,16 @@ def test_an_ablation_arm_changes_only_its_fields_and_refuses_a_bad_one():
         scaling.changed_configs(cfg, {"train.no_such_field": 1})
     with pytest.raises(ValueError):  # pydantic: a value the field refuses
         scaling.changed_configs(cfg, {"train.epochs": 0})
+
+
+def test_ablation_table_compares_each_arm_with_the_control_of_its_size():
+    rows = [{"arm": "scratch", "size": 50, "k": 3, "eagle3_heldout_chat": 1.20, "eagle3_humaneval": 1.10},
+            {"arm": "scratch train.epochs=4", "size": 50, "k": 3, "eagle3_heldout_chat": 1.27,
+             "eagle3_humaneval": 1.05, "train_tok_s": 400.0},
+            {"arm": "scratch train.lr=0.1", "size": 99, "k": 3, "eagle3_heldout_chat": 1.5},  # no control: left out
+            {"arm": "main", "size": 50, "k": 3, "eagle3_heldout_chat": 1.9}]
+    lines = scaling.ablation_table(rows).splitlines()[2:]
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in lines]
+    assert [c[2] for c in cells] == ["(control)", "train.epochs=4"]
+    assert cells[1][3:7] == ["1.27", "+0.07", "1.05", "-0.05"] and cells[1][8] == "400"
+    assert scaling.ablation_table(rows[3:]) == ""
