@@ -25,6 +25,10 @@ difference remains and is by design: the control's draft vocabulary is built fro
 the main arm's from its first round (the pipeline keeps the first vocab built so later rounds keep
 the same draft ids).
 
+Ablations (`--ablate`, at `--ablate-size`, default 50K): the from-scratch control with one change each
+(`train.epochs=4`, `extract.draft_vocab_size=16384`, `data.loss_on=all`, or several joined by commas), each
+in its own workspace `<workspace>/controls/scratch-N-<change>`; the report compares each with the control.
+
 Measurement (every arm and size alike): offline acceptance (tasks/evaluate.py, the benchmark flow's
 measuring: greedy chain of depth k, lossless-checked) of the export, loaded through the serving
 contract check, on the main workspace's held-out chat prompts (`heldout_chat`) and HumanEval, at each
