@@ -12,7 +12,7 @@ regenerate holds its server slots, extract / train / benchmark hold a GPU slot.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -77,14 +77,60 @@ def ensure_concurrency_limits(resources: ResourcesConfig, regenerate: Regenerate
     return sizes
 
 
+# How long a stage waits for its slots before each warning that says who holds them and how to free them.
+WAIT_WARNING_SECONDS = 60.0
+
+
+def slots_in_use(name: str) -> tuple[int, int]:
+    """(active slots, limit) of a global concurrency limit, as the Prefect server counts them."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        limit = client.read_global_concurrency_limit_by_name(name)
+    return limit.active_slots, limit.limit
+
+
+def waiting_message(name: str, waited_s: float) -> str:
+    active, limit = slots_in_use(name)
+    return (f"waited {waited_s:.0f} s for a slot of the Prefect concurrency limit {name!r}: {active} of {limit} "
+            "in use. Another eagle3 stage holds them, or a process killed while it held them whose lease the "
+            "Prefect server lost (a server that keeps leases in memory loses them when it restarts, and never "
+            f"frees those slots). If no other stage is running: prefect gcl update {name} --active-slots 0")
+
+
 @contextmanager
 def held(name: str, occupy: int, sizes: dict[str, int], resources: ResourcesConfig) -> Iterator[None]:
-    """Hold `occupy` slots of a global limit (never more than it has) while the block runs."""
+    """Hold `occupy` slots of a global limit (never more than it has) while the block runs.
+
+    Waits up to `resources.wait_seconds` (None: for ever), with a warning every WAIT_WARNING_SECONDS that
+    names the limit, its use and the cure: a wait for slots nobody will release is otherwise silent."""
     from prefect.concurrency.sync import concurrency
 
-    with concurrency(name, occupy=max(1, min(occupy, sizes[name])), timeout_seconds=resources.wait_seconds,
-                     lease_duration=resources.lease_seconds, strict=True):
+    deadline = None if resources.wait_seconds is None else time.monotonic() + resources.wait_seconds
+    started = time.monotonic()
+    with ExitStack() as stack:
+        while True:
+            step = WAIT_WARNING_SECONDS if deadline is None else \
+                max(0.1, min(WAIT_WARNING_SECONDS, deadline - time.monotonic()))
+            try:
+                stack.enter_context(concurrency(name, occupy=max(1, min(occupy, sizes[name])), timeout_seconds=step,
+                                                lease_duration=resources.lease_seconds, strict=True))
+                break
+            except TimeoutError as e:
+                message = waiting_message(name, time.monotonic() - started)
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(message) from e
+                _logger().warning(message)
         yield
+
+
+def _logger():
+    import logging
+
+    try:
+        return get_run_logger()
+    except Exception:  # outside a flow run (a plain call, a test)
+        return logging.getLogger("eagle3.pipeline")
 
 
 @flow(name="pipeline", log_prints=True)

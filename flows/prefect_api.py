@@ -2,7 +2,8 @@
 
 Owns how the CLI, the demo and the test session reach a real Prefect API. Promises: one server
 per PREFECT_HOME, reused across commands (so the UI shows every run); health-checked before use;
-analytics off; its log in `<home>/server.log`.
+analytics off; concurrency leases kept on disk, so a restart never strands a slot; its log in
+`<home>/server.log`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import httpx
 
 DEFAULT_PORT = 4200
+LEASE_STORAGE = "prefect.server.concurrency.lease_storage.filesystem"
 
 
 def api_healthy(api_url: str, timeout_s: float = 2.0) -> bool:
@@ -40,6 +42,10 @@ def start_local_api(home: Path, port: int = DEFAULT_PORT, wait_s: float = 120.0)
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_API_HOST": "127.0.0.1",
         "PREFECT_SERVER_API_PORT": str(port),
+        # Concurrency leases on disk (<home>/concurrency_leases), not in the server's memory: a server that
+        # restarts then still knows the leases of a stage killed with -9 and frees its slots when they expire.
+        # In memory they are lost with the restart and the slots stay taken for ever (every later stage waits).
+        "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": LEASE_STORAGE,
     }
     env.pop("PREFECT_API_URL", None)  # the server itself must not point at another API
     log = open(home / "server.log", "ab")
