@@ -590,6 +590,15 @@ def ablation_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def recipe_arms(rows: list[dict]) -> list[str]:
+    """Ablation arms measured at two sizes or more: a recipe's own curve, plotted beside the main arm's
+    (an arm measured at one size stays in the ablation table only)."""
+    sizes_of: dict[str, set[int]] = {}
+    for r in rows:
+        sizes_of.setdefault(r["arm"], set()).add(r["size"])
+    return sorted(a for a, sizes in sizes_of.items() if a not in (MAIN, SCRATCH) and len(sizes) > 1)
+
+
 def plot(rows: list[dict], path: Path, k: int = 3) -> Path | None:
     import matplotlib
     import matplotlib.ticker
@@ -600,15 +609,19 @@ def plot(rows: list[dict], path: Path, k: int = 3) -> Path | None:
     at_k = [r for r in rows if r["k"] == k]
     if not at_k:
         return None
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(12, 5))
     colors = {"heldout_chat": "tab:blue", "humaneval": "tab:orange"}
+    recipes = recipe_arms(at_k)
+    plotted: set[int] = set()
     for dom in DOMAINS:
-        for arm, style in ((MAIN, "-o"), (SCRATCH, "s")):
+        for arm, style in ((MAIN, "-o"), (SCRATCH, "s"), *((a, "--^") for a in recipes)):
             pts = sorted((r["train_tokens"], r.get(f"eagle3_{dom}")) for r in at_k
                          if r["arm"] == arm and r.get(f"eagle3_{dom}") is not None)
             if pts:
-                ax.plot(*zip(*pts), style, color=colors[dom], markersize=8 if arm == SCRATCH else 5,
-                        label=f"EAGLE-3 {arm} ({dom})" if arm == MAIN else f"from scratch ({dom})")
+                plotted.update(x for x, _ in pts)
+                label = {MAIN: f"EAGLE-3 {arm} ({dom})", SCRATCH: f"from scratch ({dom})"}.get(
+                    arm, f"{arm.replace(SCRATCH, 'from scratch,', 1)} ({dom})")
+                ax.plot(*zip(*pts), style, color=colors[dom], markersize=8 if arm == SCRATCH else 5, label=label)
         final = sorted((r["train_tokens"], r.get(f"final_{dom}")) for r in at_k
                        if r["arm"] == MAIN and r.get(f"final_{dom}") is not None)
         if final:
@@ -617,14 +630,14 @@ def plot(rows: list[dict], path: Path, k: int = 3) -> Path | None:
         if lookup:
             ax.axhline(lookup[-1], color=colors[dom], linestyle="--", alpha=0.8, label=f"prompt lookup ({dom})")
     ax.set_xscale("log", base=2)
-    ticks = sorted({r["train_tokens"] for r in at_k if r.get("train_tokens")})
+    ticks = sorted(plotted)
     ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xticks(ticks, [f"{t / 1000:,.1f}K" if t < 100_000 else f"{t / 1000:,.0f}K" for t in ticks])
     ax.set_xlabel("training tokens (loss-masked, target-written)")
     ax.set_ylabel(f"acceptance length (chain depth k={k}, greedy)")
     ax.set_title("EAGLE-3 draft for SmolLM2-135M-Instruct: acceptance vs training data")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the plot: no point hidden
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

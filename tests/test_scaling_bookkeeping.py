@@ -110,3 +110,16 @@ def test_ablation_table_compares_each_arm_with_the_control_of_its_size():
     assert [c[2] for c in cells] == ["(control)", "train.epochs=4"]
     assert cells[1][3:7] == ["1.27", "+0.07", "1.05", "-0.05"] and cells[1][8] == "400"
     assert scaling.ablation_table(rows[3:]) == ""
+
+
+def test_an_arm_measured_at_two_sizes_is_plotted_as_its_own_curve(tmp_path):
+    def row(arm, size, al):
+        return {"arm": arm, "size": size, "k": 3, "train_tokens": size + 7, "eagle3_heldout_chat": al,
+                "lookup_heldout_chat": 1.3}
+
+    recipe = "scratch train.epochs=4,train.batch_tokens=2048"
+    rows = [row("main", 50, 1.2), row("main", 200, 1.4), row("scratch", 50, 1.1), row(recipe, 50, 1.3),
+            row(recipe, 200, 1.5), row("scratch data.loss_on=all", 83, 1.25)]
+    assert scaling.recipe_arms(rows) == [recipe]  # the one-size arm stays in the ablation table only
+    png = scaling.plot(rows, tmp_path / "curve.png")
+    assert png is not None and png.read_bytes().startswith(b"\x89PNG")
