@@ -25,14 +25,15 @@ with concurrency(sys.argv[1], occupy=1, lease_duration=60, strict=True):
 
 
 def _active_slots(api_url: str, name: str) -> int:
-    from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
-        return client.read_global_concurrency_limit_by_name(name).active_slots
+    from flows.pipeline import slots_in_use
+
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        return slots_in_use(name)[0]
 
 
-def test_a_slot_held_by_a_killed_stage_frees_after_the_server_restarts(tmp_path: Path):
+def test_a_slot_held_by_a_killed_stage_frees_after_the_server_restarts(tmp_path: Path, monkeypatch):
     """The lease outlives the server's restart (kept on disk), so the server frees the dead holder's slot.
     With leases in the server's memory (Prefect's default) the slot stayed taken for ever, and every later
     pipeline waited without an error."""
@@ -42,7 +43,8 @@ def test_a_slot_held_by_a_killed_stage_frees_after_the_server_restarts(tmp_path:
     from flows.prefect_api import start_local_api
 
     home, port, name = tmp_path / "prefect", free_port(), "test-gpus"
-    os.environ["PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS"] = "2"  # read by the server started below
+    monkeypatch.setenv("PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS", "2")  # read by the server started below
+    server = None
     try:
         url, server = start_local_api(home, port)
         assert server is not None
@@ -67,8 +69,7 @@ def test_a_slot_held_by_a_killed_stage_frees_after_the_server_restarts(tmp_path:
             time.sleep(2)
         assert _active_slots(url, name) == 0, "the killed holder's slot was never freed"
     finally:
-        os.environ.pop("PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS", None)
-        if "server" in locals() and server is not None:
+        if server is not None:
             server.terminate()
             server.wait(timeout=30)
 
