@@ -1,5 +1,6 @@
-"""The scaling study's bookkeeping (benchmarks/scaling.py): which points exist, which generations a size
-takes, and what a rerun skips. Pure functions, no server, no model."""
+"""The scaling study's bookkeeping (benchmarks/scaling.py, benchmarks/scaling_results.py): which points
+exist, which generations a size takes, what a rerun skips, and the tables and plot. Pure functions, no
+server, no model."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ _spec = importlib.util.spec_from_file_location("scaling", Path(__file__).resolve
 scaling = importlib.util.module_from_spec(_spec)
 sys.modules["scaling"] = scaling  # dataclasses look their module up
 _spec.loader.exec_module(scaling)
+
+from benchmarks import scaling_results  # noqa: E402  (importable once scaling.py put the root on the path)
 
 
 def test_sizes_double_up_to_max_size():
@@ -35,17 +38,17 @@ def test_a_size_takes_the_first_generations_that_reach_it():
 
 def test_rerun_skips_measured_points_and_ignores_a_torn_line(tmp_path):
     path = tmp_path / "scaling.jsonl"
-    scaling.append_result(path, {"arm": "main", "size": 2000, "k": 3, "eagle3_humaneval": 1.1})
-    scaling.append_result(path, {"arm": "main", "size": 2000, "k": 3, "eagle3_humaneval": 1.2})
-    scaling.append_result(path, {"arm": "scratch", "size": 2000, "k": 4})
+    scaling_results.append_result(path, {"arm": "main", "size": 2000, "k": 3, "eagle3_humaneval": 1.1})
+    scaling_results.append_result(path, {"arm": "main", "size": 2000, "k": 3, "eagle3_humaneval": 1.2})
+    scaling_results.append_result(path, {"arm": "scratch", "size": 2000, "k": 4})
     with path.open("a") as f:
         f.write('{"arm": "main", "size": 4000, "k"')  # a crash while writing
-    done = scaling.load_results(path)
+    done = scaling_results.load_results(path)
     assert sorted(done) == ["main/2000/k3", "scratch/2000/k4"]
     assert done["main/2000/k3"]["eagle3_humaneval"] == 1.2  # the last line of a key wins
-    assert scaling.missing_ks(done, "main", 2000, [3, 4]) == [4]
-    assert scaling.missing_ks(done, "scratch", 2000, [3, 4]) == [3]
-    assert scaling.missing_ks(done, "main", 4000, [3, 4]) == [3, 4]
+    assert scaling_results.missing_ks(done, "main", 2000, [3, 4]) == [4]
+    assert scaling_results.missing_ks(done, "scratch", 2000, [3, 4]) == [3]
+    assert scaling_results.missing_ks(done, "main", 4000, [3, 4]) == [3, 4]
 
 
 def test_regenerate_chunks_cover_the_missing_tokens_within_bounds():
@@ -59,15 +62,15 @@ def test_table_lists_every_point_in_size_order(tmp_path):
     rows = [{"arm": a, "size": s, "k": k, "train_tokens": s, "eagle3_heldout_chat": 1.0 + s / 1e4,
              "eagle3_heldout_chat_pos": [0.5, None], "wall_s": 1.0}
             for s in (4000, 2000) for a in ("scratch", "main") for k in (3, 4)]
-    lines = scaling.markdown_table(rows).splitlines()[2:]
+    lines = scaling_results.markdown_table(rows).splitlines()[2:]
     assert [tuple(c.strip() for c in line.split("|")[1:4]) for line in lines] == [
         ("2,000", "main", "3"), ("2,000", "main", "4"), ("2,000", "scratch", "3"), ("2,000", "scratch", "4"),
         ("4,000", "main", "3"), ("4,000", "main", "4"), ("4,000", "scratch", "3"), ("4,000", "scratch", "4")]
     assert "0.50/-" in lines[0] and "1.20" in lines[0]
     path = tmp_path / "reports" / "scaling.jsonl"
     for r in rows:
-        scaling.append_result(path, r)
-    scaling.write_report(path)
+        scaling_results.append_result(path, r)
+    scaling_results.write_report(path)
     assert (tmp_path / "reports" / "scaling.png").stat().st_size > 1000
     assert "| 4,000 | scratch | 4 |" in (tmp_path / "reports" / "scaling.md").read_text()
 
@@ -105,11 +108,11 @@ def test_ablation_table_compares_each_arm_with_the_control_of_its_size():
              "eagle3_humaneval": 1.05, "train_tok_s": 400.0},
             {"arm": "scratch train.lr=0.1", "size": 99, "k": 3, "eagle3_heldout_chat": 1.5},  # no control: left out
             {"arm": "main", "size": 50, "k": 3, "eagle3_heldout_chat": 1.9}]
-    lines = scaling.ablation_table(rows).splitlines()[2:]
+    lines = scaling_results.ablation_table(rows).splitlines()[2:]
     cells = [[c.strip() for c in line.split("|")[1:-1]] for line in lines]
     assert [c[2] for c in cells] == ["(control)", "train.epochs=4"]
     assert cells[1][3:7] == ["1.27", "+0.07", "1.05", "-0.05"] and cells[1][8] == "400"
-    assert scaling.ablation_table(rows[3:]) == ""
+    assert scaling_results.ablation_table(rows[3:]) == ""
 
 
 def test_an_arm_measured_at_two_sizes_is_plotted_as_its_own_curve(tmp_path):
@@ -120,6 +123,6 @@ def test_an_arm_measured_at_two_sizes_is_plotted_as_its_own_curve(tmp_path):
     recipe = "scratch train.epochs=4,train.batch_tokens=2048"
     rows = [row("main", 50, 1.2), row("main", 200, 1.4), row("scratch", 50, 1.1), row(recipe, 50, 1.3),
             row(recipe, 200, 1.5), row("scratch data.loss_on=all", 83, 1.25)]
-    assert scaling.recipe_arms(rows) == [recipe]  # the one-size arm stays in the ablation table only
-    png = scaling.plot(rows, tmp_path / "curve.png")
+    assert scaling_results.recipe_arms(rows) == [recipe]  # the one-size arm stays in the ablation table only
+    png = scaling_results.plot(rows, tmp_path / "curve.png")
     assert png is not None and png.read_bytes().startswith(b"\x89PNG")
