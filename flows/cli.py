@@ -103,7 +103,7 @@ def acceptance_view(rows: list[dict]) -> tuple[list[str], list[tuple]]:
 
 
 def serving_view(rows: list[dict]) -> tuple[list[str], list[tuple]]:
-    """The llama-server rows (the benchmark's summary rows, or the same read back from the store) as a person
+    """One engine's serving rows (the benchmark's summary rows, or the same read back from the store) as a person
     reads them, in 80 columns: config, concurrency, speed against the baseline, TTFT p50/p90 in ms, acceptance,
     draft tokens accepted / proposed, and how many outputs equal the baseline's (`*`: at concurrency > 1,
     information only). The first divergence, if any, is in the verdict lines under the table."""
@@ -125,22 +125,35 @@ def serving_view(rows: list[dict]) -> tuple[list[str], list[tuple]]:
 
 
 def _print_serving(rows: list[dict], lines: list[str]) -> None:
-    """The llama-server table, then the verdict (faster or slower, break-even, lossless, online vs offline)."""
-    build = next((r.get("server_build") for r in rows if r.get("server_build")), "?")
-    max_new = rows[0].get("max_new_tokens")
-    _print_rows(*serving_view(rows), OutputFormat.table,
-                f"llama-server {build}, greedy, {max_new} new tokens. TTFT p50/p90; accept = completion tokens / "
-                "target forwards after the prefill (token-weighted); acc/draft = draft tokens accepted/proposed; "
-                "lossless = outputs equal to the baseline's (*: batched, information only)", wrap=0)
-    for line in lines:
-        console.print(line, highlight=False, soft_wrap=True)
+    """Each engine's table, then its verdict (faster or slower, break-even, lossless, online vs offline)."""
+    from serving.engine_bench import ENGINE_NAMES, SERVER_NAMES
+
+    for engine in dict.fromkeys(r.get("engine", "llamacpp") for r in rows):
+        mine = [r for r in rows if r.get("engine", "llamacpp") == engine]
+        build = next((r.get("server_build") for r in mine if r.get("server_build")), "?")
+        max_new = mine[0].get("max_new_tokens")
+        _print_rows(*serving_view(mine), OutputFormat.table,
+                    f"{SERVER_NAMES[engine]} {build}, greedy, {max_new} new tokens. TTFT p50/p90; accept = completion "
+                    "tokens / target forwards after the prefill (token-weighted); acc/draft = draft tokens "
+                    "accepted/proposed; lossless = outputs equal to the baseline's (*: batched, information only)",
+                    wrap=0)
+        prefix = ENGINE_NAMES[engine] + ": "
+        for line in lines:
+            if line.startswith(prefix) or not any(line.startswith(n + ": ") for n in ENGINE_NAMES.values()):
+                console.print(line, highlight=False, soft_wrap=True)
 
 
 def _serving_lines_from_rows(rows: list[dict]) -> list[str]:
-    from serving.engine_bench import agreement_line, verdict_lines
+    """The verdict lines of each engine's rows (read back from the store), named by engine as the flow names them."""
+    from serving.engine_bench import ENGINE_NAMES, agreement_line, verdict_lines
 
-    agree = [r["offline_agreement"] for r in rows if r.get("offline_agreement")]
-    return verdict_lines(rows) + [agreement_line(a, a["k"]) for a in agree]
+    out = []
+    for engine in dict.fromkeys(r.get("engine", "llamacpp") for r in rows):
+        mine = [r for r in rows if r.get("engine", "llamacpp") == engine]
+        agree = [r["offline_agreement"] for r in mine if r.get("offline_agreement")]
+        out += [f"{ENGINE_NAMES[engine]}: {line}"
+                for line in verdict_lines(mine) + [agreement_line(a, a["k"]) for a in agree]]
+    return out
 
 
 def _print_dicts(rows: list[dict], title: str) -> None:
@@ -314,6 +327,8 @@ def doctor(
                                                  "(default: the draft must serve both)."),
     fix: bool = typer.Option(False, "--fix", help="Write a corrected copy where the fix is mechanical."),
     fix_dir: Optional[Path] = typer.Option(None, "--fix-dir", help="Where --fix writes (default DRAFT_DIR-fixed)."),
+    live: bool = typer.Option(False, "--live", help="vllm: also start vLLM (`make vllm`) on the draft and check what it "
+                              "says it loaded: aux layers, embeddings, lm_head (about a minute on a CPU)."),
     sweep: Optional[str] = typer.Option(None, "--sweep", help="After passing, print the SGLang launch commands of a "
                                         "sweep (steps, topk, draft tokens, CUDA graphs) for this target model path."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel size for --sweep commands."),
@@ -343,7 +358,7 @@ def doctor(
             raise typer.Exit(1) from None
     try:
         report = run_doctor(draft_dir, target, engine=engine, launch=launch, expected_aux_layer_ids=expected,
-                            sglang_version=sglang_version, fix=fix, fix_dir=fix_dir)
+                            sglang_version=sglang_version, fix=fix, fix_dir=fix_dir, live=live)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         err.print(f"[red]{e}[/red]", highlight=False)
         raise typer.Exit(2) from None

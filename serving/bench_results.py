@@ -45,11 +45,14 @@ class RequestMetrics:
     spec_accept_rate: float | None  # as the server reported it (None where it did not)
     finish_reason: str | None
     tokens_source: Literal["meta_info", "usage", "stream_chunks", "timings"]
-    # llama.cpp only: draft tokens proposed and accepted (the server's `timings`; 0 where it drafted none)
+    # llama.cpp and vLLM: draft tokens proposed and accepted (the server's own counters; 0 where it drafted none)
     draft_n: int | None = None
     draft_n_accepted: int | None = None
-    # the generated token ids as streamed (llama.cpp /completion with return_tokens), for lossless checks
+    # the generated token ids as streamed (llama.cpp /completion with return_tokens; vLLM return_token_ids),
+    # for lossless checks
     output_ids: tuple[int, ...] | None = field(default=None, repr=False)
+    # vLLM: verify rounds that had drafts, by the number of drafts accepted (index j = j accepted)
+    acceptance_histogram: tuple[int, ...] | None = None
 
     @property
     def accept_length(self) -> float | None:
@@ -136,6 +139,20 @@ class LevelResult:
         return accepted / drafted if drafted and accepted is not None else None
 
     @property
+    def position_accept_rate(self) -> list[float] | None:
+        """Per draft position i (0-based): the share of drafted verify rounds that accepted position i, all
+        requests together (from the server's acceptance histograms; None where the server gives none)."""
+        hists = [r.acceptance_histogram for r in self.requests if r.acceptance_histogram is not None]
+        if not hists:
+            return None
+        width = max(len(h) for h in hists)
+        total = [sum(h[j] for h in hists if j < len(h)) for j in range(width)]
+        rounds = sum(total)
+        if not rounds:
+            return None
+        return [sum(total[j] for j in range(i + 1, width)) / rounds for i in range(width - 1)]
+
+    @property
     def time_per_verify_round_s(self) -> float | None:
         """One stream's wall time per verify round: sum(latency) / sum(spec_verify_ct), prefill included."""
         verify = self.spec_verify_ct
@@ -157,7 +174,8 @@ class LevelResult:
                 "accept_len_token_weighted": _round(self.accept_length_token_weighted),
                 "accept_len_request_mean": _round(self.accept_length_request_mean),
                 "draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted,
-                "draft_accept_rate": _round(self.draft_accept_rate)}
+                "draft_accept_rate": _round(self.draft_accept_rate),
+                "accept_rate_by_position": _rounds(self.position_accept_rate)}
 
     def to_rows(self) -> list[dict[str, Any]]:
         """One row per request."""
@@ -303,3 +321,7 @@ def _ms(seconds: float | None) -> float | None:
 
 def _round(x: float | None, digits: int = 3) -> float | None:
     return None if x is None else round(x, digits)
+
+
+def _rounds(xs: Sequence[float] | None, digits: int = 3) -> list[float] | None:
+    return None if xs is None else [round(x, digits) for x in xs]

@@ -1,18 +1,20 @@
-"""Speculative decoding measured on a real engine: llama.cpp's `llama-server`, started and stopped here.
+"""Speculative decoding measured on a real engine started and stopped here: llama.cpp's `llama-server`, or vLLM.
 
-Owns the embedded serving benchmark: which servers run (the target alone; the EAGLE-3 draft GGUF
-at each draft length K of a sweep; llama.cpp's own n-gram drafting at one K), each started on its
-own, warmed up, measured at every concurrency level on the same prompts (token ids rendered with the
-serving template; greedy; the same max tokens) through serving/online_bench.py's llama.cpp API, and
+Owns the serving benchmark: which servers run on an engine (the target alone; the EAGLE-3 draft at
+each draft length K of a sweep, as the engine loads it: llama.cpp the GGUF export, vLLM the
+speculators export; the engine's own n-gram drafting at one K), each started on its own, warmed up,
+measured at every concurrency level on the same prompts (token ids rendered with the serving
+template; greedy; the same max tokens) through serving/online_bench.py's API for that engine, and
 stopped before the next one starts; then the lossless check, break-even, the summary rows, the
 verdict lines, the agreement with the offline evaluator and a two-panel plot.
 Promises: one server at a time (two would share the cores and slow each other); each speculative
-server really speculates (LlamaCppServer checks /slots at start, and an EAGLE-3 level in which no
-token was drafted is an error); with greedy decoding a speculative server must emit the baseline's
-ids, which is checked and reported per config at concurrency 1 (identical / total, the first
-divergence), never assumed; at concurrency N it is reported as information only, since batching may
-change llama.cpp's arithmetic; no server outlives the call, and a server that dies stops it
-(ServerDied, with its log).
+server really speculates (LlamaCppServer checks /slots at start, VllmSpecServer reads that vLLM
+loaded the drafter, and an EAGLE-3 level in which no token was drafted is an error); with greedy
+decoding a speculative server must emit the baseline's ids, which is checked and reported per config
+at concurrency 1 (identical / total, the first divergence), never assumed; at concurrency N it is
+reported as information only, since batching may change the engine's arithmetic; acceptance comes
+from the engine's own per-request counters; no server outlives the call, and a server that dies stops
+it (ServerDied, with its log).
 """
 
 from __future__ import annotations
@@ -26,8 +28,14 @@ from typing import Any, Literal
 from serving.bench_results import BreakEven, LevelResult, OnlineBenchResult
 from serving.embedded import LlamaCppServer, Speculation
 from serving.online_bench import ServerConfig, run_online_benchmark
+from serving.process import ManagedServer
+from serving.vllm_server import VllmEngineArgs
+from serving.vllm_spec import VllmSpecServer, VllmSpeculation
 
 NgramType = Literal["ngram-simple", "ngram-mod"]
+EngineName = Literal["llamacpp", "vllm"]
+ENGINE_NAMES: dict[str, str] = {"llamacpp": "llama.cpp", "vllm": "vLLM"}  # as a reader knows them
+SERVER_NAMES: dict[str, str] = {"llamacpp": "llama-server", "vllm": "vLLM"}
 BASELINE = "baseline"
 AGREEMENT_TOLERANCE = 0.10  # the issue asks online acceptance within 10% of the offline evaluator's
 DRIFT_TOLERANCE = 0.15  # the baseline measured first and last may differ this much before speedups are doubted
@@ -35,22 +43,28 @@ DRIFT_TOLERANCE = 0.15  # the baseline measured first and last may differ this m
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """One llama-server to start: the target alone (`speculation` None) or one speculative setting."""
+    """One server to start: the target alone (`speculation` None) or one speculative setting of its engine."""
 
     label: str
-    speculation: Speculation | None = None
+    speculation: Speculation | VllmSpeculation | None = None
 
     @property
     def drafter(self) -> str:
-        """"baseline", "eagle3", or the n-gram type."""
-        if self.speculation is None:
+        """"baseline", "eagle3", or the n-gram type ("ngram" for vLLM's)."""
+        s = self.speculation
+        if s is None:
             return BASELINE
-        return "eagle3" if self.speculation.spec_type == "draft-eagle3" else self.speculation.spec_type
+        if isinstance(s, VllmSpeculation):
+            return s.method
+        return "eagle3" if s.spec_type == "draft-eagle3" else s.spec_type
 
     @property
     def k(self) -> int | None:
         """Draft tokens per verify round at most (the chain depth)."""
-        return None if self.speculation is None else self.speculation.n_max
+        s = self.speculation
+        if s is None:
+            return None
+        return s.num_speculative_tokens if isinstance(s, VllmSpeculation) else s.n_max
 
 
 def engine_configs(draft_gguf: Path | None, draft_tokens: Sequence[int], ngram: NgramType | None = "ngram-simple",
@@ -64,6 +78,82 @@ def engine_configs(draft_gguf: Path | None, draft_tokens: Sequence[int], ngram: 
     if ngram is not None:
         specs.append(Speculation(ngram, n_max=ngram_k))
     return [EngineConfig(BASELINE)] + [EngineConfig(s.label, s) for s in specs]
+
+
+def vllm_engine_configs(draft: Path | None, draft_tokens: Sequence[int], ngram: bool = True, ngram_k: int = 3,
+                        prompt_lookup: tuple[int, int] = (1, 3)) -> list[EngineConfig]:
+    """vLLM: the baseline, our EAGLE-3 export (speculators format) at each K, then vLLM's n-gram method at `ngram_k`."""
+    if draft_tokens and draft is None:
+        raise ValueError("an EAGLE-3 sweep (draft_tokens) needs the draft's speculators export")
+    if len(set(draft_tokens)) != len(draft_tokens):
+        raise ValueError(f"draft_tokens lists a K twice: {list(draft_tokens)}")
+    specs = [VllmSpeculation("eagle3", int(k), draft) for k in draft_tokens]
+    if ngram:
+        specs.append(VllmSpeculation("ngram", ngram_k, prompt_lookup_min=prompt_lookup[0],
+                                     prompt_lookup_max=prompt_lookup[1]))
+    return [EngineConfig(BASELINE)] + [EngineConfig(s.label, s) for s in specs]
+
+
+# ---------------------------------------------------------------- the engines
+
+
+@dataclass(frozen=True)
+class LlamaCppEngine:
+    """llama.cpp's llama-server on the target GGUF; the draft is its GGUF export."""
+
+    target_gguf: Path
+    parallel: int = 2
+    n_threads: int | None = None
+    n_ctx: int = 2048
+    name: EngineName = "llamacpp"
+    api: str = "llamacpp"
+
+    @property
+    def slots(self) -> int:
+        return self.parallel
+
+    def configs(self, draft: Path | None, draft_tokens: Sequence[int], ngram: NgramType | None,
+                ngram_k: int) -> list[EngineConfig]:
+        return engine_configs(draft, draft_tokens, ngram, ngram_k)
+
+    def server(self, ec: EngineConfig, log: Path | None) -> LlamaCppServer:
+        return LlamaCppServer(self.target_gguf, n_ctx=self.n_ctx, n_threads=self.n_threads, parallel=self.parallel,
+                              speculation=ec.speculation, log_path=log)
+
+    @staticmethod
+    def build(server: ManagedServer) -> str | None:
+        return server.build_info  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class VllmEngine:
+    """vLLM (its own environment) on the target's transformers folder; the draft is its speculators export."""
+
+    args: VllmEngineArgs
+    startup_timeout_s: float = 900.0
+    prompt_lookup: tuple[int, int] = (1, 3)  # n-gram: shortest and longest context suffix matched
+    name: EngineName = "vllm"
+    api: str = "vllm"
+
+    @property
+    def slots(self) -> int:
+        return self.args.max_num_seqs
+
+    def configs(self, draft: Path | None, draft_tokens: Sequence[int], ngram: NgramType | bool | None,
+                ngram_k: int) -> list[EngineConfig]:
+        return vllm_engine_configs(draft, draft_tokens, bool(ngram), ngram_k, self.prompt_lookup)
+
+    def server(self, ec: EngineConfig, log: Path | None) -> VllmSpecServer:
+        return VllmSpecServer(self.args, speculation=ec.speculation, log_path=log,  # type: ignore[arg-type]
+                              startup_timeout_s=self.startup_timeout_s)
+
+    @staticmethod
+    def build(server: ManagedServer) -> str | None:
+        version = server.version  # type: ignore[attr-defined]
+        return None if version is None else f"vllm-{version}"
+
+
+ServingEngine = LlamaCppEngine | VllmEngine
 
 
 # ---------------------------------------------------------------- lossless
@@ -128,7 +218,7 @@ class ConfigReport:
     label: str
     drafter: str
     k: int | None
-    server_build: str | None  # llama.cpp's build_info, e.g. "b1-0c1e570"
+    server_build: str | None  # llama.cpp's build_info, e.g. "b1-0c1e570"; "vllm-0.32.0"
     startup_s: float | None
     lossless: LosslessCheck | None = None  # concurrency 1 against the baseline at 1 (None: the baseline)
     batched: tuple[LosslessCheck, ...] = ()  # every other concurrency against the baseline at 1: information
@@ -147,6 +237,7 @@ class EngineBenchResult:
     # equal the first run's (None: not rechecked). A machine whose speed changed meanwhile shows here.
     recheck_tok_s: float | None = None
     recheck_identical: bool | None = None
+    engine: EngineName = "llamacpp"
 
     def report(self, label: str) -> ConfigReport:
         for c in self.configs:
@@ -173,7 +264,7 @@ class EngineBenchResult:
             check = self.lossless_at(lv.config, lv.concurrency)
             ref = base.get(lv.concurrency)
             out.append({
-                "config": lv.config, "drafter": rep.drafter, "k": rep.k, "concurrency": lv.concurrency,
+                "engine": self.engine, "config": lv.config, "drafter": rep.drafter, "k": rep.k, "concurrency": lv.concurrency,
                 "requests": len(lv.requests), "completion_tokens": lv.completion_tokens,
                 "output_tok_s": round(lv.output_tok_s, 2),
                 "speedup_vs_baseline": round(lv.output_tok_s / ref, 3) if ref else None,
@@ -183,6 +274,7 @@ class EngineBenchResult:
                 "acceptance_request_mean": _round(lv.accept_length_request_mean),
                 "draft_n": lv.draft_n, "draft_n_accepted": lv.draft_n_accepted,
                 "draft_accept_rate": _round(lv.draft_accept_rate),
+                "accept_rate_by_position": lv.to_row()["accept_rate_by_position"],
                 "lossless": None if check is None else check.summary(),
                 "lossless_identical": None if check is None else check.identical,
                 "lossless_total": None if check is None else check.total,
@@ -202,8 +294,10 @@ class EngineBenchResult:
 
 
 def verdict_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The verdict from summary rows (EngineBenchResult.rows(), or the same fields read back from the store)."""
+    """The verdict from one engine's summary rows (EngineBenchResult.rows(), or the same fields read back from the
+    store)."""
     lines = []
+    engine = next((r.get("engine") for r in rows if r.get("engine")), "llamacpp")
     first = next((r for r in rows if r.get("drafter") == BASELINE and r["concurrency"] == 1), None)
     again = (first or {}).get("baseline_recheck_tok_s")
     if first is not None and again is not None:
@@ -213,8 +307,8 @@ def verdict_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
                          f"when measured again last ({drift:.2f}x): the machine's speed changed during the benchmark, "
                          "so the speedups below are not reliable; rerun it on a quiet machine")
         if first.get("baseline_recheck_identical") is False:
-            lines.append("WARNING: the baseline's greedy output differed between its two runs: llama-server is not "
-                         "deterministic here, and the lossless counts mean less")
+            lines.append(f"WARNING: the baseline's greedy output differed between its two runs: {SERVER_NAMES[engine]} "
+                         "is not deterministic here, and the lossless counts mean less")
     eagle = [r for r in rows if r.get("drafter") == "eagle3"]
     for c in sorted({r["concurrency"] for r in eagle}):
         at = sorted((r for r in eagle if r["concurrency"] == c), key=lambda r: r.get("k") or 0)
@@ -226,12 +320,17 @@ def verdict_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
             lines.append(f"concurrency {c}: break-even acceptance: {needs}.")
             continue
         word = "faster" if speedup > 1 else "slower"
-        lines.append(f"concurrency {c}: the EAGLE-3 draft is {word} than the baseline: best {speedup:.2f}x "
-                     f"({best['config']}). Break-even acceptance (verify round cost / baseline time per token): {needs}.")
+        ngram = [r for r in rows if r.get("drafter") not in ("eagle3", BASELINE) and r["concurrency"] == c
+                 and r.get("output_tok_s")]
+        versus = "".join(f"; {best['output_tok_s'] / r['output_tok_s']:.2f}x {ENGINE_NAMES[engine]}'s {r['config']}"
+                         for r in ngram)
+        lines.append(f"concurrency {c}: on {ENGINE_NAMES[engine]} the EAGLE-3 draft is {word} than the baseline: best "
+                     f"{speedup:.2f}x ({best['config']}){versus}. Break-even acceptance (verify round cost / baseline "
+                     f"time per token): {needs}.")
     for r in rows:
         if r.get("drafter") not in ("eagle3", BASELINE) and r.get("speedup_vs_baseline") is not None:
-            lines.append(f"concurrency {r['concurrency']}: llama.cpp's {r['config']}: {r['speedup_vs_baseline']:.2f}x "
-                         f"the baseline, acceptance {_fmt(r.get('acceptance'))}.")
+            lines.append(f"concurrency {r['concurrency']}: {ENGINE_NAMES[engine]}'s {r['config']}: "
+                         f"{r['speedup_vs_baseline']:.2f}x the baseline, acceptance {_fmt(r.get('acceptance'))}.")
     checks = [r for r in rows if r.get("drafter") != BASELINE and r["concurrency"] == 1 and r.get("lossless")]
     if checks:
         lossy = [r for r in checks if r["lossless_identical"] != r["lossless_total"]]
@@ -245,7 +344,7 @@ def verdict_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def agreement(rows: Sequence[Mapping[str, Any]], offline_k: int, offline_acceptance: float | None) -> dict[str, Any] | None:
-    """Online (llama-server, eagle3 at K = offline_k, concurrency 1) vs offline acceptance on the same prompts.
+    """Online (one engine's rows: eagle3 at K = offline_k, concurrency 1) vs offline acceptance on the same prompts.
 
     Both are completion tokens / target forwards after the prefill. None when the sweep has no such K.
     """
@@ -256,7 +355,8 @@ def agreement(rows: Sequence[Mapping[str, Any]], offline_k: int, offline_accepta
     on = online.get("acceptance")
     ratio = on / offline_acceptance if on is not None and offline_acceptance else None
     return {"k": offline_k, "online": on, "offline": offline_acceptance, "ratio": _round(ratio),
-            "within_tolerance": None if ratio is None else abs(ratio - 1) <= AGREEMENT_TOLERANCE}
+            "within_tolerance": None if ratio is None else abs(ratio - 1) <= AGREEMENT_TOLERANCE,
+            "engine": online.get("engine", "llamacpp")}
 
 
 def agreement_line(item: dict[str, Any] | None, offline_k: int, note: str = "") -> str:
@@ -271,23 +371,27 @@ def _agreement_line(item: dict[str, Any] | None, offline_k: int) -> str:
     if item["ratio"] is None:
         return f"online vs offline acceptance at k={offline_k}: nothing to compare (an acceptance is missing)"
     within = "within" if item["within_tolerance"] else "NOT within"
-    return (f"online vs offline acceptance at k={offline_k}, same prompts: llama-server {item['online']:.3f}, offline "
+    server = SERVER_NAMES[item.get("engine", "llamacpp")]
+    return (f"online vs offline acceptance at k={offline_k}, same prompts: {server} {item['online']:.3f}, offline "
             f"evaluator {item['offline']:.3f}, ratio {item['ratio']:.3f} ({within} {AGREEMENT_TOLERANCE:.0%})")
 
 
 # ---------------------------------------------------------------- running it
 
 
-def run_engine_benchmark(target_gguf: Path, prompts: Sequence[Sequence[int] | str], *, draft_gguf: Path | None = None,
-                         draft_tokens: Sequence[int] = (1, 2, 3), ngram: NgramType | None = "ngram-simple",
-                         ngram_k: int = 3, parallel: int = 2, n_threads: int | None = None, n_ctx: int = 2048,
-                         concurrency: Sequence[int] | None = None, max_new_tokens: int = 64, warmup: int = 1,
-                         log_dir: Path | None = None, timeout_s: float = 600.0, recheck_baseline: bool = True,
-                         on_config: Callable[[ConfigReport, OnlineBenchResult], None] | None = None) -> EngineBenchResult:
-    """Start each server in turn on `target_gguf`, measure it at every concurrency, stop it; compare.
+def run_engine_benchmark(engine: ServingEngine, prompts: Sequence[Sequence[int] | str], *, draft: Path | None = None,
+                         draft_tokens: Sequence[int] = (1, 2, 3), ngram: NgramType | bool | None = "ngram-simple",
+                         ngram_k: int = 3, concurrency: Sequence[int] | None = None, max_new_tokens: int = 64,
+                         warmup: int = 1, log_dir: Path | None = None, timeout_s: float = 600.0,
+                         recheck_baseline: bool = True,
+                         on_config: Callable[[ConfigReport, OnlineBenchResult], None] | None = None,
+                         check_server: Callable[[EngineConfig, ManagedServer], None] | None = None) -> EngineBenchResult:
+    """Start each of `engine`'s servers in turn, measure it at every concurrency, stop it; compare.
 
+    `draft` is the draft as this engine loads it (llama.cpp: the GGUF; vLLM: the speculators folder);
+    `ngram` the engine's n-gram drafter (llama.cpp: its type; vLLM: any true value), None for none.
     `prompts` are token ids (rendered with the serving chat template; sent verbatim) or rendered
-    text. `concurrency` defaults to 1 and `parallel` (the servers' slots). Servers run one after
+    text. `concurrency` defaults to 1 and the engine's parallel slots. Servers run one after
     another, so a machine that gets busier or quieter meanwhile skews every ratio: with
     `recheck_baseline` the baseline runs again at concurrency 1 at the end, and the verdict warns
     when the two runs differ by more than DRIFT_TOLERANCE. `on_config` is called after each server
@@ -295,22 +399,24 @@ def run_engine_benchmark(target_gguf: Path, prompts: Sequence[Sequence[int] | st
     """
     if not prompts:
         raise ValueError("the serving benchmark needs at least one prompt")
+    parallel = engine.slots
     levels = tuple(dict.fromkeys(concurrency if concurrency else (1, parallel)))
     if 1 not in levels:
         raise ValueError(f"concurrency {list(levels)}: the lossless check needs concurrency 1")
-    configs = engine_configs(draft_gguf, draft_tokens, ngram, ngram_k)
+    configs = engine.configs(draft, draft_tokens, ngram, ngram_k)
     results: list[OnlineBenchResult] = []
     reports: list[ConfigReport] = []
 
     def measure(ec: EngineConfig, at: tuple[int, ...], log_name: str) -> tuple[ConfigReport, OnlineBenchResult]:
-        log = Path(log_dir) / f"llama-server-{log_name}.log" if log_dir is not None else None
-        with LlamaCppServer(target_gguf, n_ctx=n_ctx, n_threads=n_threads, parallel=parallel,
-                            speculation=ec.speculation, log_path=log) as server:
-            cfg = ServerConfig(ec.label, speculative=ec.speculation is not None, url=server.base_url, api="llamacpp",
+        log = Path(log_dir) / f"{engine.name}-{log_name}.log" if log_dir is not None else None
+        with engine.server(ec, log) as server:
+            if check_server is not None:
+                check_server(ec, server)
+            cfg = ServerConfig(ec.label, speculative=ec.speculation is not None, url=server.base_url, api=engine.api,
                                num_draft_tokens=ec.k, expect_drafts=ec.drafter == "eagle3")
             res = asyncio.run(server.guard(run_online_benchmark(None, prompts, [cfg], at, max_new_tokens,
                                                                 warmup=warmup, timeout_s=timeout_s)))
-            return ConfigReport(ec.label, ec.drafter, ec.k, server.build_info, server.startup_s), res
+            return ConfigReport(ec.label, ec.drafter, ec.k, engine.build(server), server.startup_s), res
 
     for ec in configs:
         rep, res = measure(ec, levels, ec.label)
@@ -334,7 +440,8 @@ def run_engine_benchmark(target_gguf: Path, prompts: Sequence[Sequence[int] | st
         batched = tuple(compare_outputs(lv, reference) for lv in mine if lv.concurrency != 1)
         lossless = None if rep.label == BASELINE else compare_outputs(single, reference)
         final.append(ConfigReport(rep.label, rep.drafter, rep.k, rep.server_build, rep.startup_s, lossless, batched))
-    return EngineBenchResult(combined, tuple(final), parallel, levels, BASELINE, recheck_tok_s, recheck_identical)
+    return EngineBenchResult(combined, tuple(final), parallel, levels, BASELINE, recheck_tok_s, recheck_identical,
+                             engine.name)
 
 
 # ---------------------------------------------------------------- plot

@@ -1,11 +1,12 @@
 """The online benchmark: tokens/s, TTFT, latency and acceptance length measured against running servers.
 
 Owns the measurement of serving speed over HTTP: SGLang's native streaming `/generate`, llama.cpp's
-streaming `/completion` (token ids in and out, draft counters in `timings`), or the OpenAI
-streaming API for servers with neither; and the acceptance probe run right after a speculative
+streaming `/completion` (token ids in and out, draft counters in `timings`), vLLM's streaming
+`/v1/completions` (token ids in and out, its per-request counters in `metrics.speculative_decoding`),
+or the OpenAI streaming API for servers with none of these; and the acceptance probe run right after a speculative
 launch. The numbers and the break-even arithmetic are in serving/bench_results.py (re-exported
 here). Promises: acceptance comes only from the server's own per-request counters (SGLang's
-`meta_info.spec_verify_ct`; llama.cpp's `timings.draft_n_accepted`), reported both token-weighted
+`meta_info.spec_verify_ct`; llama.cpp's `timings.draft_n_accepted`; vLLM's `num_accepted_draft_tokens`), reported both token-weighted
 (sum / sum) and as a per-request mean under names that say which; a server declared speculative
 that reports no such counter is an error naming the config, never an acceptance of 1.0; a
 "baseline" that reports one is an error too (it speculates, and every speedup against it would be
@@ -31,13 +32,14 @@ from serving.client import Endpoint, resolve_api_key
 
 __all__ = ["AcceptanceTooLow", "BaselineSpeculates", "BenchmarkError", "BreakEven", "BreakEvenReport", "LevelResult",
            "OnlineBenchResult", "RequestMetrics", "ServerConfig", "SpecMetricsMissing", "break_even",
-           "llamacpp_completion", "plot_throughput", "probe_acceptance", "run_online_benchmark"]
+           "llamacpp_completion", "plot_throughput", "probe_acceptance", "run_online_benchmark", "vllm_completion"]
 
 Message = Mapping[str, Any]
 # A rendered chat prompt (text), its token ids, or a conversation (list of messages).
 Prompt = str | Sequence[int] | Sequence[Message]
-Api = Literal["sglang", "openai", "llamacpp"]
-SPECULATIVE_APIS = ("sglang", "llamacpp")  # the APIs whose responses carry draft/verify counters
+Api = Literal["sglang", "openai", "llamacpp", "vllm"]
+SPECULATIVE_APIS = ("sglang", "llamacpp", "vllm")  # the APIs whose responses carry draft/verify counters
+DRAFT_COUNTING_APIS = ("llamacpp", "vllm")  # per-request draft counters: a level that drafted nothing did not speculate
 
 # Why acceptance is low, most telling first (CONTRACTS.md, "Silent failures seen in the field").
 LIKELY_CAUSES: tuple[str, ...] = (
@@ -87,8 +89,8 @@ class ServerConfig:
     label: str
     speculative: bool = False
     url: str | None = None  # base URL; None: the benchmark's endpoint_url
-    # "sglang": POST /generate; "llamacpp": POST /completion (llama-server); "openai": /v1/chat/completions
-    # (or /v1/completions for text)
+    # "sglang": POST /generate; "llamacpp": POST /completion (llama-server); "vllm": /v1/completions with token
+    # ids out and vLLM's per-request acceptance counters; "openai": /v1/chat/completions (or /v1/completions for text)
     api: Api = "sglang"
     model: str | None = None  # the OpenAI "model" field, where the server wants one
     num_draft_tokens: int | None = None  # --speculative-num-draft-tokens, for the acceptance-rate diagnosis
@@ -110,9 +112,10 @@ def _is_messages(prompt: Prompt) -> bool:
 def _request(cfg: ServerConfig, prompt: Prompt, max_new_tokens: int, temperature: float, ignore_eos: bool,
              render: Callable[[Sequence[Message]], str] | None) -> tuple[str, dict]:
     """The path and JSON body of one streaming request for this config's API."""
-    if cfg.api in ("sglang", "llamacpp") and _is_messages(prompt):
+    if cfg.api in ("sglang", "llamacpp", "vllm") and _is_messages(prompt):
         if render is None:  # sending raw text instead would benchmark without the chat template
-            path = "SGLang /generate" if cfg.api == "sglang" else "llama.cpp /completion"
+            path = {"sglang": "SGLang /generate", "llamacpp": "llama.cpp /completion",
+                    "vllm": "vLLM /v1/completions"}[cfg.api]
             raise ValueError(f"config {cfg.label!r} uses {path}, which takes rendered text or token ids: pass "
                              "render= (the serving chat template) or rendered prompts")
         prompt = render(prompt)
@@ -132,6 +135,14 @@ def _request(cfg: ServerConfig, prompt: Prompt, max_new_tokens: int, temperature
         return "/generate", {**source, "sampling_params": sampling, "stream": True, **extra}
     body: dict[str, Any] = {"max_tokens": max_new_tokens, "temperature": temperature, "stream": True,
                             "stream_options": {"include_usage": True}}
+    if cfg.api == "vllm":
+        # The ids streamed back (lossless check); the usage chunk carries vLLM's per-request acceptance counters
+        # (`metrics.speculative_decoding`, from --per-request-spec-decode-metrics). Text is sent rendered.
+        body.update(return_token_ids=True, model=cfg.model or "target",
+                    prompt=prompt if isinstance(prompt, str) else [int(t) for t in prompt])
+        if ignore_eos:
+            body["ignore_eos"] = True
+        return "/v1/completions", {**body, **cfg.extra_body}
     if ignore_eos:
         body["ignore_eos"] = True  # vLLM and SGLang accept it; others may ignore it
     if cfg.model:
@@ -187,6 +198,53 @@ def llamacpp_completion(events: Sequence[Mapping[str, Any]], cfg: ServerConfig, 
             "finish_reason": final.get("stop_type"), "output_ids": tuple(ids)}
 
 
+def vllm_completion(events: Sequence[Mapping[str, Any]], cfg: ServerConfig, where: str = "") -> dict[str, Any]:
+    """What one streamed vLLM `/v1/completions` request generated, from its events (in order).
+
+    Each chunk's choice carries the new ids (`return_token_ids`); the final usage chunk carries
+    `usage.completion_tokens` and, on a speculative server, vLLM's own per-request counters
+    `metrics.speculative_decoding`: `num_spec_steps` (verify rounds that had drafts),
+    `num_draft_tokens`, `num_accepted_draft_tokens` and `acceptance_histogram` (rounds by the number
+    of drafts accepted). Returns completion_tokens, spec_verify_ct, draft_n, draft_n_accepted,
+    finish_reason, output_ids, acceptance_histogram, spec_steps.
+
+    spec_verify_ct = completion_tokens - 1 - accepted: the target forwards after the prefill, as for
+    llama.cpp and the offline evaluator (each forward commits its accepted drafts plus one token of
+    its own); it counts forwards that had no draft (n-gram found no match), which vLLM's own "mean
+    acceptance length" (1 + accepted / num_spec_steps) leaves out.
+    """
+    ids: list[int] = []
+    finish = usage = None
+    metrics: Mapping[str, Any] | None = None
+    for event in events:
+        for choice in event.get("choices") or []:
+            ids += [int(t) for t in choice.get("token_ids") or []]
+            finish = choice.get("finish_reason") or finish
+        if event.get("usage"):
+            usage = event["usage"]
+            metrics = (event.get("metrics") or {}).get("speculative_decoding")
+    if usage is None or finish is None:
+        raise BenchmarkError(f"{where}: the stream ended before the request finished (no finish_reason and usage)")
+    completion = int(usage["completion_tokens"])
+    if not cfg.speculative:
+        if metrics is not None:
+            raise BaselineSpeculates(
+                f"{where}: config {cfg.label!r} is declared the baseline (no speculation) but its response carries "
+                f"metrics.speculative_decoding ({metrics}): vLLM speculates, so no speedup against it means anything")
+        return {"completion_tokens": completion, "spec_verify_ct": None, "draft_n": None, "draft_n_accepted": None,
+                "finish_reason": finish, "output_ids": tuple(ids), "acceptance_histogram": None, "spec_steps": None}
+    if metrics is None:
+        raise SpecMetricsMissing(
+            f"{where}: config {cfg.label!r} is declared speculative but its response has no "
+            "metrics.speculative_decoding: vLLM was started without --speculative-config or without "
+            "--per-request-spec-decode-metrics; no acceptance length can be measured")
+    accepted = int(metrics["num_accepted_draft_tokens"])
+    return {"completion_tokens": completion, "spec_verify_ct": max(completion - 1 - accepted, 0),
+            "draft_n": int(metrics["num_draft_tokens"]), "draft_n_accepted": accepted, "finish_reason": finish,
+            "output_ids": tuple(ids), "acceptance_histogram": tuple(int(x) for x in metrics["acceptance_histogram"]),
+            "spec_steps": int(metrics["num_spec_steps"])}
+
+
 async def _measure(client: httpx.AsyncClient, cfg: ServerConfig, url: str, headers: dict, path: str, body: dict,
                    concurrency: int, index: int) -> RequestMetrics:
     """Send one streaming request and time it; tokens come from the server's own counts where it gives them."""
@@ -196,7 +254,7 @@ async def _measure(client: httpx.AsyncClient, cfg: ServerConfig, url: str, heade
     usage_tokens = None
     finish: str | None = None
     meta: dict = {}
-    events: list[dict] = []  # llama.cpp /completion: kept for llamacpp_completion
+    events: list[dict] = []  # llama.cpp /completion and vLLM: kept for llamacpp_completion / vllm_completion
     start = time.perf_counter()
     try:
         async with client.stream("POST", url + path, json=body, headers=headers) as r:
@@ -221,6 +279,9 @@ async def _measure(client: httpx.AsyncClient, cfg: ServerConfig, url: str, heade
                 elif path == "/completion":
                     events.append(event)
                     got = bool(event.get("tokens"))
+                elif cfg.api == "vllm":
+                    events.append(event)
+                    got = any(c.get("token_ids") for c in event.get("choices") or [])
                 else:
                     if event.get("usage"):
                         usage_tokens = event["usage"].get("completion_tokens")
@@ -242,6 +303,11 @@ async def _measure(client: httpx.AsyncClient, cfg: ServerConfig, url: str, heade
         return RequestMetrics(cfg.label, concurrency, index, done["completion_tokens"], ttft, latency,
                               done["spec_verify_ct"], None, done["finish_reason"], "timings", done["draft_n"],
                               done["draft_n_accepted"], done["output_ids"])
+    if cfg.api == "vllm":
+        done = vllm_completion(events, cfg, where)
+        return RequestMetrics(cfg.label, concurrency, index, done["completion_tokens"], ttft, latency,
+                              done["spec_verify_ct"], None, done["finish_reason"], "usage", done["draft_n"],
+                              done["draft_n_accepted"], done["output_ids"], done["acceptance_histogram"])
     if path != "/generate":
         if finish is None:  # a cut stream would count as a fast short answer
             raise BenchmarkError(f"{where}: the stream ended without a finish_reason")
@@ -294,12 +360,13 @@ async def _run_level(client: httpx.AsyncClient, cfg: ServerConfig, url: str, hea
         raise
     wall = time.perf_counter() - start
     level = LevelResult(cfg.label, cfg.speculative, concurrency, wall, tuple(sorted(done, key=lambda r: r.prompt_index)))
-    if cfg.speculative and cfg.api == "llamacpp":
+    if cfg.speculative and cfg.api in DRAFT_COUNTING_APIS:
         if cfg.expect_drafts and not level.draft_n:
+            counter = "timings.draft_n" if cfg.api == "llamacpp" else "metrics.speculative_decoding.num_draft_tokens"
             raise SpecMetricsMissing(
                 f"config {cfg.label!r} ({url}) at concurrency {concurrency} is declared speculative but no response "
-                "carries timings.draft_n: llama-server did not draft a single token (it serves without "
-                "speculation when it cannot set it up: check /slots and its log); no acceptance length can be measured")
+                f"carries {counter} > 0: the server did not draft a single token (check its log: llama-server serves "
+                "without speculation when it cannot set it up); no acceptance length can be measured")
     elif cfg.speculative and level.completion_tokens and not level.spec_verify_ct:
         raise SpecMetricsMissing(f"config {cfg.label!r} at concurrency {concurrency}: spec_verify_ct is 0 on every "
                                  "request: the server did not speculate")
@@ -330,7 +397,8 @@ async def run_online_benchmark(endpoint_url: str | None, prompts: Sequence[Promp
     for cfg in configs:
         if cfg.speculative and cfg.api not in SPECULATIVE_APIS:
             raise ValueError(f"config {cfg.label!r} is speculative but uses the OpenAI API, which carries no "
-                             "spec_verify_ct: use api='sglang' (/generate) or 'llamacpp' (llama-server /completion)")
+                             "spec_verify_ct: use api='sglang' (/generate), 'llamacpp' (llama-server /completion) "
+                             "or 'vllm' (vLLM's per-request counters)")
         if not (cfg.url or endpoint_url):
             raise ValueError(f"config {cfg.label!r} has no url and no endpoint_url was given")
     n = requests_per_level or len(prompts)

@@ -53,13 +53,11 @@ def default_vllm_python() -> Path:
     return Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
 
 
-@dataclass(frozen=True)
-class VllmLaunch:
-    """How to start vLLM for extraction; every field is one of its flags or environment settings."""
+@dataclass(frozen=True, kw_only=True)
+class VllmEngineArgs:
+    """What every `vllm serve` this project starts shares; every field is one of its flags or environment settings."""
 
     model: Path                     # a local transformers folder (safetensors)
-    layer_ids: list[int]            # vLLM's ids (`vllm_layer_ids`)
-    states_dir: Path                # where the connector writes hs files
     dtype: str = "bfloat16"
     tensor_parallel_size: int = 1
     max_model_len: int = 2048
@@ -73,65 +71,98 @@ class VllmLaunch:
     extra_args: tuple[str, ...] = ()
 
 
-class VllmHiddenStatesServer(ManagedServer):
-    """`vllm serve` on the target, capturing `launch.layer_ids` of every prompt it prefills."""
+@dataclass(frozen=True, kw_only=True)
+class VllmLaunch(VllmEngineArgs):
+    """How to start vLLM for extraction: the engine's flags, the layers to capture, where states go."""
+
+    layer_ids: list[int]            # vLLM's ids (`vllm_layer_ids`)
+    states_dir: Path                # where the connector writes hs files
+
+
+class VllmServer(ManagedServer):
+    """`vllm serve` on the target from vLLM's own environment: the flags, environment and checks all share.
+
+    Subclasses add their own flags (`own_args`) and environment (`own_environment`).
+    """
 
     health_path = "/health"
 
-    def __init__(self, launch: VllmLaunch, *, host: str = "127.0.0.1", port: int = 0, log_path: Path | None = None,
-                 startup_timeout_s: float = 900.0, stop_grace_s: float = 20.0):
+    def __init__(self, engine: VllmEngineArgs, *, host: str = "127.0.0.1", port: int = 0,
+                 log_path: Path | None = None, startup_timeout_s: float = 900.0, stop_grace_s: float = 20.0):
         super().__init__(host=host, port=port, log_path=log_path, startup_timeout_s=startup_timeout_s,
                          stop_grace_s=stop_grace_s, log_prefix="vllm-server-")
-        self.launch = launch
+        self.engine = engine
         self.version: str | None = None  # vLLM's /version, e.g. "0.32.0"
 
     def describe(self) -> str:
-        return f"the vLLM server on {self.launch.model}"
+        return f"the vLLM server on {self.engine.model}"
+
+    def own_args(self) -> list[str]:
+        return []
+
+    def own_environment(self) -> dict[str, str]:
+        return {}
 
     def command(self) -> list[str]:
-        launch = self.launch
-        speculative = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                       "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": launch.layer_ids}}}
-        transfer = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
-                    "kv_connector_extra_config": {"shared_storage_path": str(launch.states_dir)}}
-        args = [str(launch.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(launch.model),
+        e = self.engine
+        args = [str(e.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(e.model),
                 "--served-model-name", SERVED_MODEL_NAME, "--host", self.host, "--port", str(self.port),
-                "--dtype", launch.dtype, "--tensor-parallel-size", str(launch.tensor_parallel_size),
-                "--max-model-len", str(launch.max_model_len), "--max-num-seqs", str(launch.max_num_seqs),
-                "--gpu-memory-utilization", str(launch.gpu_memory_utilization),
-                "--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(transfer),
-                # Prefill-only requests never reuse a prefix; a cached prefix would also skip its states.
-                "--no-enable-prefix-caching"]
-        if launch.max_num_batched_tokens is not None:
-            args += ["--max-num-batched-tokens", str(launch.max_num_batched_tokens)]
-        if launch.enforce_eager:
+                "--dtype", e.dtype, "--tensor-parallel-size", str(e.tensor_parallel_size),
+                "--max-model-len", str(e.max_model_len), "--max-num-seqs", str(e.max_num_seqs),
+                "--gpu-memory-utilization", str(e.gpu_memory_utilization)]
+        if e.max_num_batched_tokens is not None:
+            args += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
+        if e.enforce_eager:
             args.append("--enforce-eager")
-        if launch.trust_remote_code:
+        if e.trust_remote_code:
             args.append("--trust-remote-code")
-        return args + list(launch.extra_args)
+        return args + self.own_args() + list(e.extra_args)
 
     def environment(self) -> dict[str, str]:
         env = super().environment()
-        # Only the connector's folder: the project's own packages and venv stay out of vLLM's.
-        env["PYTHONPATH"] = str(PLUGIN_DIR)
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(self.launch.cpu_kvcache_space_gib)
+        env.pop("PYTHONPATH", None)  # the project's own packages and venv stay out of vLLM's
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(self.engine.cpu_kvcache_space_gib)
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
-        return env
+        return {**env, **self.own_environment()}
 
     def check_before_start(self) -> None:
-        if not self.launch.python.is_file():
-            raise FileNotFoundError(f"no vLLM environment at {self.launch.python}: run `make vllm` (or set "
+        if not self.engine.python.is_file():
+            raise FileNotFoundError(f"no vLLM environment at {self.engine.python}: run `make vllm` (or set "
                                     "EAGLE3_VLLM_PYTHON to the python of an environment with vLLM 0.32)")
-        if not (self.launch.model / "config.json").is_file():
-            raise FileNotFoundError(f"no transformers folder at {self.launch.model} (config.json missing)")
-        self.launch.states_dir.mkdir(parents=True, exist_ok=True)
+        if not (self.engine.model / "config.json").is_file():
+            raise FileNotFoundError(f"no transformers folder at {self.engine.model} (config.json missing)")
 
     def after_start(self) -> None:
         try:
             self.version = httpx.get(self.base_url + "/version", timeout=10).json().get("version")
         except (httpx.HTTPError, ValueError):
             self.version = None
+
+
+class VllmHiddenStatesServer(VllmServer):
+    """`vllm serve` on the target, capturing `launch.layer_ids` of every prompt it prefills."""
+
+    def __init__(self, launch: VllmLaunch, **kwargs):
+        super().__init__(launch, **kwargs)
+        self.launch = launch
+
+    def own_args(self) -> list[str]:
+        launch = self.launch
+        speculative = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                       "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": launch.layer_ids}}}
+        transfer = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
+                    "kv_connector_extra_config": {"shared_storage_path": str(launch.states_dir)}}
+        # Prefill-only requests never reuse a prefix; a cached prefix would also skip its states.
+        return ["--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(transfer),
+                "--no-enable-prefix-caching"]
+
+    def own_environment(self) -> dict[str, str]:
+        return {"PYTHONPATH": str(PLUGIN_DIR)}  # only the connector's folder
+
+    def check_before_start(self) -> None:
+        super().check_before_start()
+        self.launch.states_dir.mkdir(parents=True, exist_ok=True)
 
     def prefill(self, client: httpx.Client, token_ids: list[int], timeout_s: float = 600.0) -> Path:
         """Prefill `token_ids` once; the path of the hidden-states file the connector writes for them."""

@@ -383,12 +383,36 @@ class OnlineBenchConfig(Strict):
     probe_threshold: float = Field(default=1.3, gt=0, description="Stop if a launch accepts less than this.")
 
 
-class ServingBenchConfig(Strict):
-    """The draft on a real speculative engine: llama.cpp's llama-server, started by the benchmark one server at a
-    time (the target alone, the EAGLE-3 draft at each K, llama.cpp's n-gram drafting), on the offline benchmark's
-    prompts (same sets, same count, token ids rendered with the serving template), greedy."""
+class VllmServingConfig(Strict):
+    """vLLM serving the target (its own environment, `make vllm`), the draft's speculators export, its n-gram method."""
 
-    engine: Literal["llamacpp"] = "llamacpp"
+    python: str | None = Field(default=None, description="The vLLM environment's python (default: "
+                               "$EAGLE3_VLLM_PYTHON, else .venv-vllm/bin/python from `make vllm`).")
+    draft: str | None = Field(default=None, description=(
+        "The draft in the speculators format; default: the speculators export registered in lineage for the "
+        "benchmarked checkpoint (same training run and step)."))
+    dtype: Literal["bfloat16", "float32"] = Field(default="bfloat16", description=(
+        "The target's and draft's dtype in vLLM (float32: the same arithmetic as the offline evaluator's float32)."))
+    max_model_len: int = Field(default=2048, ge=64, description="Context: the longest prompt plus max_new_tokens.")
+    max_num_seqs: int = Field(default=4, ge=1, description="Sequences decoded together (continuous batching).")
+    cpu_kvcache_space_gib: int = Field(default=2, ge=1, description="Cache space of vLLM's CPU build (GiB).")
+    ngram: bool = Field(default=True, description="vLLM's own n-gram method (prompt lookup) at ngram_tokens, alongside.")
+    prompt_lookup_min: int = Field(default=1, ge=1, description="n-gram: shortest context suffix matched.")
+    prompt_lookup_max: int = Field(default=3, ge=1, description="n-gram: longest context suffix matched.")
+    startup_timeout_s: float = Field(default=900, gt=0, description="vLLM's CPU build takes a minute or more to start.")
+    extra_args: list[str] = Field(default_factory=list, description="More `vllm serve` flags, passed as given.")
+
+
+class ServingBenchConfig(Strict):
+    """The draft on real speculative engines started by the benchmark one server at a time (the target alone, the
+    EAGLE-3 draft at each K, the engine's own n-gram drafting): llama.cpp's llama-server on the GGUF export, vLLM on
+    the speculators export; on the offline benchmark's prompts (same sets, same count, token ids rendered with the
+    serving template), greedy."""
+
+    engines: list[Literal["llamacpp", "vllm"]] = Field(default_factory=lambda: ["llamacpp"], description=(
+        "The engines measured, one after another: llamacpp (llama-server, built by `make install`), vllm (vLLM's "
+        "CPU or CUDA build in its own environment, `make vllm`)."))
+    vllm: VllmServingConfig = Field(default_factory=VllmServingConfig)
     target_gguf: str | None = Field(default=None, description=(
         "The target as llama-server serves it; default: the benchmark target's `gguf` (the embedded SmolLM2 GGUF "
         "when the target names none). Required when the target is a `model_path`."))
@@ -416,6 +440,8 @@ class ServingBenchConfig(Strict):
 
     @model_validator(mode="after")
     def _levels(self) -> "ServingBenchConfig":
+        if not self.engines or len(set(self.engines)) != len(self.engines):
+            raise ValueError(f"engines must name each engine once, at least one, got {self.engines}")
         if self.draft_tokens is not None:
             if any(not 1 <= k <= 16 for k in self.draft_tokens) or len(set(self.draft_tokens)) != len(self.draft_tokens):
                 raise ValueError(f"draft_tokens must be distinct values in 1..16, got {self.draft_tokens}")

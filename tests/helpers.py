@@ -17,16 +17,19 @@ WORDS = ("alpha beta gamma delta river mountain quantum python kernel matrix gar
          "lantern harbor meadow cipher saddle falcon ember glacier tundra pixel vector lemon comet").split()
 
 
-def make_tiny_target(folder: Path) -> Path:
-    """An 8-layer random Llama (H=64, confident head) with SmolLM2's tokenizer, saved as safetensors in `folder`."""
+def make_tiny_target(folder: Path, hidden_size: int = 64, heads: int = 4, kv_heads: int = 2) -> Path:
+    """An 8-layer random Llama (H=64, confident head) with SmolLM2's tokenizer, saved as safetensors in `folder`.
+
+    vLLM's CPU attention takes head sizes of 32 and up: give hidden_size=128, heads=2 for a target it serves.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tasks.target import load_target
 
     _, tokenizer = load_target(cache_dir=TARGET_CACHE)
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128, vocab_size=len(tokenizer), tie_word_embeddings=False,
+    config = LlamaConfig(hidden_size=hidden_size, num_hidden_layers=8, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, intermediate_size=2 * hidden_size, vocab_size=len(tokenizer), tie_word_embeddings=False,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     model = LlamaForCausalLM(config)
     with torch.no_grad():

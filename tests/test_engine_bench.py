@@ -21,7 +21,7 @@ import pytest
 
 from serving.bench_results import LevelResult, RequestMetrics
 from serving.embedded import LlamaCppServer
-from serving.engine_bench import (agreement, agreement_line, compare_outputs, engine_configs,
+from serving.engine_bench import (LlamaCppEngine, agreement, agreement_line, compare_outputs, engine_configs,
                                   plot_engine_benchmark, run_engine_benchmark, verdict_lines)
 from serving.online_bench import (BaselineSpeculates, BenchmarkError, ServerConfig, SpecMetricsMissing,
                                   llamacpp_completion, run_online_benchmark)
@@ -49,8 +49,9 @@ def prompt_ids() -> list[list[int]]:
 def ngram_bench(prompt_ids, tmp_path_factory):
     """Baseline and ngram-simple at k=3 on SmolLM2, concurrency 1 and 2 (one thread each: the machine is shared)."""
     logs = tmp_path_factory.mktemp("engine-logs")
-    return run_engine_benchmark(smollm2_gguf_path(), prompt_ids, draft_tokens=(), ngram="ngram-simple", ngram_k=3,
-                                parallel=2, n_threads=1, concurrency=[1, 2], max_new_tokens=MAX_NEW, log_dir=logs)
+    return run_engine_benchmark(LlamaCppEngine(smollm2_gguf_path(), parallel=2, n_threads=1), prompt_ids,
+                                draft_tokens=(), ngram="ngram-simple", ngram_k=3, concurrency=[1, 2],
+                                max_new_tokens=MAX_NEW, log_dir=logs)
 
 
 def run(coro, timeout_s: float = 120.0):
@@ -189,7 +190,8 @@ def test_configs_verdict_and_agreement_from_rows():
              "acceptance": 1.8, "accept_needed": 4.2, "lossless": "5/6 (first divergence: ...)",
              "lossless_identical": 5, "lossless_total": 6}]
     lines = verdict_lines(rows)
-    assert lines[0].startswith("concurrency 1: the EAGLE-3 draft is slower than the baseline: best 0.60x (eagle3-k1)")
+    assert lines[0].startswith("concurrency 1: on llama.cpp the EAGLE-3 draft is slower than the baseline: best 0.60x "
+                               "(eagle3-k1)")
     assert "k=1 needs 2.40 (measured 1.50), k=3 needs 4.20 (measured 1.80)" in lines[0]
     assert lines[-1].endswith("NOT LOSSLESS") and "eagle3-k3 5/6" in lines[-1]
     assert not any(line.startswith("WARNING") for line in lines)
@@ -250,8 +252,8 @@ def test_benchmark_flow_serves_the_exported_draft_on_llama_server(prefect_api, t
         # greedy: the draft changes how fast, never what (the same ids as the baseline, prompt by prompt)
         assert row["lossless_identical"] == row["lossless_total"] == 2, row["lossless"]
     assert by["eagle3-k1", 2]["lossless_informational"] and not by["eagle3-k1", 1]["lossless_informational"]
-    assert any(line.startswith("concurrency 1: the EAGLE-3 draft is") for line in b.serving_lines)
-    assert b.serving_lines[-1].startswith("online vs offline acceptance at k=2, same prompts: llama-server")
+    assert any(line.startswith("llama.cpp: concurrency 1: on llama.cpp the EAGLE-3 draft is") for line in b.serving_lines)
+    assert b.serving_lines[-1].startswith("llama.cpp: online vs offline acceptance at k=2, same prompts: llama-server")
     assert Path(b.serving_png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     store = LineageStore(ws / "lineage.duckdb")
@@ -259,7 +261,7 @@ def test_benchmark_flow_serves_the_exported_draft_on_llama_server(prefect_api, t
         f"SELECT config_label, drafter, concurrency, output_tok_s > 0, ttft_p90_s >= ttft_p50_s, server_build, "
         f"acceptance_token_weighted IS NOT NULL FROM benchmark_results WHERE bench_id = '{b.bench_id}' "
         f"AND kind = 'serving' ORDER BY config_label, concurrency")
-    assert [(r[0], r[2]) for r in stored] == sorted((c, n) for c in configs for n in (1, 2))
+    assert [(r[0], r[2]) for r in stored] == sorted((f"llamacpp/{c}", n) for c in configs for n in (1, 2))
     assert all(r[3] and r[4] and r[5].startswith("b") for r in stored)
     assert all(r[6] == (r[1] != "baseline") for r in stored)
     # `eagle3 run` prints the same table from the store (the latest serving benchmark of the checkpoint)

@@ -289,6 +289,8 @@ class EngineContract:
     aux_checks: Callable[[Context], tuple[list[Check], dict[str, list[int | None]]]] | None = None
     # the engine's own converted draft file (llama.cpp's GGUF): its report, or None when `draft` is no such file
     check_file: CheckFile | None = None
+    # start the engine on the draft and check what it says it loaded: (draft, target as given, context) -> checks
+    live_checks: Callable[[Path, Any, Context], list[Check]] | None = None
 
     @property
     def fixable_checks(self) -> frozenset[str]:

@@ -53,7 +53,7 @@ def _one(result: tuple[Check, dict[str, list[int | None]]]) -> tuple[list[Check]
 def run_doctor(draft_dir: str | Path, target: str | Path | Mapping[str, Any], engine: Engine = "sglang",
                launch: str | Sequence[str] | None = None, expected_aux_layer_ids: Sequence[int] | None = None,
                sglang_version: SGLangVersion | None = None, fix: bool = False,
-               fix_dir: str | Path | None = None) -> DoctorReport:
+               fix_dir: str | Path | None = None, live: bool = False) -> DoctorReport:
     """Check `draft_dir` against the serving contract of `engine` for `target` (and `launch`, when given).
 
     draft_dir: the exported folder; for llamacpp also the converted .gguf (or a folder holding one).
@@ -65,6 +65,9 @@ def run_doctor(draft_dir: str | Path, target: str | Path | Mapping[str, Any], en
     fix: write a corrected copy to `fix_dir` (default `<draft_dir>-fixed`) when every failing
     folder check is mechanical, and check the copy (`report.fixed`); a GGUF is re-converted from
     its own SGLang export instead.
+    live: also start the engine on the draft (and `target`, which must then be the model folder) and check
+    what the engine itself says it loaded (vllm: aux layers, embeddings, lm_head), failing folder checks
+    or not: the engine's own word on what a wrong folder does (say, ids shifted by one) names the damage.
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
@@ -73,6 +76,9 @@ def run_doctor(draft_dir: str | Path, target: str | Path | Mapping[str, Any], en
     draft = Path(draft_dir).expanduser()
     info = load_target_info(target)
     contract = CONTRACTS[engine]
+    if live and contract.live_checks is None:
+        raise ValueError(f"no live check for engine {engine!r}: {', '.join(e for e in ENGINES if CONTRACTS[e].live_checks)} "
+                         "only")
     # An engine's own converted file (llama.cpp's GGUF) has checks of its own; a folder goes on below.
     own = contract.check_file(draft, info, expected_aux_layer_ids, fix, None if fix_dir is None else Path(fix_dir)) \
         if contract.check_file is not None else None
@@ -95,6 +101,8 @@ def run_doctor(draft_dir: str | Path, target: str | Path | Mapping[str, Any], en
     aux, captured = contract.aux_checks(ctx) if contract.aux_checks is not None else _one(check_aux_layers(ctx))
     report.captured_layers = captured
     report.checks += [*folder_checks(ctx), *aux]
+    if live:
+        report.checks += contract.live_checks(draft, target, ctx)
     if launch is not None:
         report.checks += _launch_checks(launch, engine, draft, info)
     if fix:

@@ -3,7 +3,8 @@
 Owns `CONTRACT` (registered in run.py). Promises: the facts are vLLM's as CONTRACTS.md records them:
 the speculators header (`Eagle3Speculator`, `transformer_layer_config`, `speculators_config`), aux
 layer ids read from the top level only and used as-is, `norm_before_residual` read as true when
-absent, and `--speculative-config` with `"method": "eagle3"`.
+absent, and `--speculative-config` with `"method": "eagle3"`. With `live`, vLLM itself is started on the
+draft (serving/doctor/vllm_live.py) and what it says it loaded is checked too.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from serving.doctor.checks import ids_fix_hint
 from serving.doctor.command import one, same_folder, target_check
 from serving.doctor.core import Check, Context, EngineContract, TargetInfo, default_capture, int_list
+from serving.doctor.vllm_live import live_checks
 from serving.launch import flag_values
 from tasks.export import SPECULATORS_ARCHITECTURE, speculators_header_problems, vllm_capture_layers, vllm_layer_ids
 
@@ -163,4 +165,5 @@ CONTRACT = EngineContract(
     extra_checks=(check_norm_before_residual,),
     extra_repairs={"norm_before_residual": repair_norm_before_residual},
     spell_key=spell_key,
+    live_checks=live_checks,
 )
