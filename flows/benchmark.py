@@ -207,17 +207,15 @@ def _serving(config: BenchConfig, store: LineageStore, run_id: str, summary: Ben
         engine, ngram = _vllm_engine(serving.vllm, target), serving.vllm.ngram
 
         def check_server(ec, server) -> None:  # what vLLM itself says it loaded, before any number is measured
-            from serving.doctor.vllm_live import loaded_checks
+            from serving.doctor.vllm_live import failed_loaded_checks
 
-            if server.loaded_draft is None:
-                return
-            failed = [c for c in loaded_checks(server.loaded_draft, expected) if not c.ok]
+            failed = failed_loaded_checks(server, expected)
             if failed:
                 raise ContractFailed(f"vLLM loaded {draft} other than it was trained ({ec.label}); not benchmarked:\n"
                                      + "\n".join(f"{c.name}: {c.message}" for c in failed))
     name = ENGINE_NAMES[engine_name]
-    logger.info("%s on %s: baseline, EAGLE-3 %s at k=%s, %s; %d prompts, %d new tokens, concurrency %s", name, target,
-                draft, sweep, ngram or "no n-gram", len(prompts), max_new, serving.levels())
+    logger.info("%s on %s: baseline, EAGLE-3 %s at k=%s, %s n-gram drafting; %d prompts, %d new tokens, concurrency "
+                "%s", name, target, draft, sweep, "with" if ngram else "no", len(prompts), max_new, serving.levels())
 
     def progress(report, result) -> None:
         for lv in result.levels:

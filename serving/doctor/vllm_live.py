@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from serving.doctor.core import Check, Context
-from serving.vllm_spec import LoadedDraft
+from serving.vllm_spec import LoadedDraft, VllmSpecServer
 
 LIVE_CHECKS = ("vllm_loaded_aux_layers", "vllm_loaded_embeddings", "vllm_loaded_lm_head")
 
@@ -55,23 +55,31 @@ def _aux_check(loaded: LoadedDraft, expected: Sequence[int] | None, source: str 
 
 
 def _embeddings_check(loaded: LoadedDraft) -> Check:
-    name = LIVE_CHECKS[1]
-    if loaded.shares_target_embeddings is None:
-        return Check(name, False, "vLLM's log does not say whose token embeddings the draft uses")
-    if loaded.shares_target_embeddings:
-        return Check(name, True, "the draft shares the target's token embeddings (as trained: they were frozen)")
-    return Check(name, False, "vLLM keeps embeddings of the draft's own: the draft was trained on the target's "
-                              "frozen embeddings, and this export should carry none (or the target's)")
+    return _said(LIVE_CHECKS[1], loaded.shares_target_embeddings, "whose token embeddings the draft uses",
+                 "the draft shares the target's token embeddings (as trained: they were frozen)",
+                 "vLLM keeps embeddings of the draft's own: the draft was trained on the target's frozen embeddings, "
+                 "and this export should carry none (or the target's)")
 
 
 def _head_check(loaded: LoadedDraft) -> Check:
-    name = LIVE_CHECKS[2]
-    if loaded.own_lm_head is None:
-        return Check(name, False, "vLLM's log does not say whose lm_head the draft uses")
-    if loaded.own_lm_head:
-        return Check(name, True, "the draft's own lm_head (over its draft vocabulary)")
-    return Check(name, False, "vLLM uses the TARGET's lm_head for the draft: the draft's own head (over the draft "
-                              "vocabulary, mapped by d2t) was not loaded; check lm_head.weight in the export")
+    return _said(LIVE_CHECKS[2], loaded.own_lm_head, "whose lm_head the draft uses",
+                 "the draft's own lm_head (over its draft vocabulary)",
+                 "vLLM uses the TARGET's lm_head for the draft: the draft's own head (over the draft vocabulary, "
+                 "mapped by d2t) was not loaded; check lm_head.weight in the export")
+
+
+def _said(name: str, value: bool | None, what: str, right: str, wrong: str) -> Check:
+    """A check on one thing vLLM's log says: right (True), wrong (False), or not said at all (None: a failure)."""
+    if value is None:
+        return Check(name, False, f"vLLM's log does not say {what}")
+    return Check(name, True, right) if value else Check(name, False, wrong)
+
+
+def failed_loaded_checks(server: VllmSpecServer, expected: Sequence[int] | None) -> list[Check]:
+    """The live checks a started EAGLE-3 server fails (none for a server without a drafter)."""
+    if server.loaded_draft is None:
+        return []
+    return [c for c in loaded_checks(server.loaded_draft, expected) if not c.ok]
 
 
 def target_folder(target: object) -> Path | None:
@@ -89,7 +97,7 @@ def live_checks(draft: Path, target: object, ctx: Context) -> list[Check]:
     """Start vLLM on the target with this draft (eagle3, one draft token), read what it loaded, stop it."""
     from serving.process import ServerStartError
     from serving.vllm_server import VllmEngineArgs
-    from serving.vllm_spec import VllmSpecServer, VllmSpeculation
+    from serving.vllm_spec import VllmSpeculation
 
     folder = target_folder(target)
     if folder is None:
