@@ -205,14 +205,7 @@ def _serving(config: BenchConfig, store: LineageStore, run_id: str, summary: Ben
     else:
         summary.draft_speculators = str(draft)
         engine, ngram = _vllm_engine(serving.vllm, target), serving.vllm.ngram
-
-        def check_server(ec, server) -> None:  # what vLLM itself says it loaded, before any number is measured
-            from serving.doctor.vllm_live import failed_loaded_checks
-
-            failed = failed_loaded_checks(server, expected)
-            if failed:
-                raise ContractFailed(f"vLLM loaded {draft} other than it was trained ({ec.label}); not benchmarked:\n"
-                                     + "\n".join(f"{c.name}: {c.message}" for c in failed))
+        check_server = _refuse_unlike_trained(draft, expected)
     name = ENGINE_NAMES[engine_name]
     logger.info("%s on %s: baseline, EAGLE-3 %s at k=%s, %s n-gram drafting; %d prompts, %d new tokens, concurrency "
                 "%s", name, target, draft, sweep, "with" if ngram else "no", len(prompts), max_new, serving.levels())
@@ -255,6 +248,18 @@ def _serving(config: BenchConfig, store: LineageStore, run_id: str, summary: Ben
     summary.serving_png = summary.serving_png or summary.serving_pngs[engine_name]
 
 
+def _refuse_unlike_trained(draft: Path, expected: list[int] | None):
+    """Right after a vLLM server starts: what vLLM itself says it loaded must be the draft as trained."""
+    from serving.doctor.vllm_live import failed_loaded_checks
+
+    def check(ec, server) -> None:
+        failed = failed_loaded_checks(server, expected)
+        if failed:
+            raise ContractFailed(f"vLLM loaded {draft} other than it was trained ({ec.label}); not benchmarked:\n"
+                                 + "\n".join(f"{c.name}: {c.message}" for c in failed))
+    return check
+
+
 def _vllm_engine(v, target: Path):
     """vLLM's engine from `benchmark.serving.vllm`."""
     from serving.engine_bench import VllmEngine
@@ -275,6 +280,42 @@ def _serving_drafts(config: BenchConfig, store: LineageStore, row: dict | None) 
     for engine in serving.engines:
         out[engine] = _serving_ggufs(config, store, row) if engine == "llamacpp" else _vllm_paths(config, store, row)
     return out
+
+
+def _serving_ggufs(config: BenchConfig, store: LineageStore, row: dict | None) -> tuple[Path, Path]:
+    """The target GGUF llama-server serves, and the draft's GGUF export (the checkpoint's, from lineage)."""
+    from tasks.target import smollm2_gguf_path
+
+    serving = config.serving
+    assert serving is not None
+    t = config.target
+    if serving.target_gguf or t.gguf:
+        target = Path(serving.target_gguf or t.gguf)
+    elif t.model_path is None:
+        target = smollm2_gguf_path()
+    else:
+        raise LineageError(f"benchmark.serving needs the target as a GGUF for llama-server: the target is "
+                           f"{t.model_path}; set benchmark.serving.target_gguf")
+    if serving.draft_gguf:
+        draft = Path(serving.draft_gguf)
+    else:
+        if row is None:
+            raise LineageError(f"benchmark.serving needs the draft as a GGUF: {config.checkpoint} is not a checkpoint "
+                               "registered in lineage, so no gguf export of it is known; set benchmark.serving.draft_gguf")
+        export = store.checkpoint_export(row["run_name"], row["step"], "gguf")
+        if export is None:
+            raise LineageError(f"benchmark.serving needs the draft as a GGUF: lineage has no gguf export of "
+                               f"{row['checkpoint']} (training run {row['run_name']!r}, step {row['step']}); train with "
+                               "export_formats including gguf, or set benchmark.serving.draft_gguf")
+        draft = Path(export["path"])
+    if draft.is_dir():
+        from tasks.export_gguf import GGUF_FILE
+
+        draft = draft / GGUF_FILE
+    for what, path in (("target", target), ("draft", draft)):
+        if not path.is_file():
+            raise LineageError(f"benchmark.serving: the {what} GGUF {path} does not exist")
+    return target, draft
 
 
 def _vllm_paths(config: BenchConfig, store: LineageStore, row: dict | None) -> tuple[Path, Path]:
