@@ -80,6 +80,7 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--offline", action="store_true", help="measure the offline evaluator here at every k")
+    ap.add_argument("--compile", action="store_true", help="without --enforce-eager (torch.compile; slow starts)")
     args = ap.parse_args()
 
     from serving.engine_bench import VllmEngine, agreement, agreement_line, plot_engine_benchmark, run_engine_benchmark
@@ -104,7 +105,7 @@ def main() -> None:
         if value is not None:
             offline[k] = value
     engine = VllmEngine(VllmEngineArgs(model=files.folder, dtype=args.dtype, max_model_len=2048,
-                                       max_num_seqs=max(args.concurrency)))
+                                       max_num_seqs=max(args.concurrency), enforce_eager=not args.compile))
     print(f"vLLM ({args.dtype}) on {files.folder}: baseline, {draft} at k={args.ks}, n-gram k={args.ngram_k}; "
           f"{len(prompts)} held-out chat prompts x {args.max_new} new tokens, concurrency {args.concurrency}; "
           f"load {load()}", flush=True)
@@ -136,7 +137,8 @@ def main() -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with open(RESULTS, "a") as f:
         f.write(json.dumps({"recorded_at": dt.datetime.now(dt.timezone.utc).isoformat(), "draft": str(args.draft),
-                            "dtype": args.dtype, "prompts": len(prompts), "max_new_tokens": args.max_new,
+                            "dtype": args.dtype, "compiled": args.compile, "prompts": len(prompts),
+                            "max_new_tokens": args.max_new,
                             "offline": offline, "rows": rows, "verdict": lines,
                             "wall_s": round(time.monotonic() - started, 1)}) + "\n")
         f.flush()

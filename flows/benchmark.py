@@ -266,7 +266,7 @@ def _vllm_engine(v, target: Path):
     from serving.vllm_server import VllmEngineArgs, default_vllm_python
 
     args = VllmEngineArgs(model=target, dtype=v.dtype, max_model_len=v.max_model_len, max_num_seqs=v.max_num_seqs,
-                          cpu_kvcache_space_gib=v.cpu_kvcache_space_gib,
+                          cpu_kvcache_space_gib=v.cpu_kvcache_space_gib, enforce_eager=v.enforce_eager,
                           python=Path(v.python) if v.python else default_vllm_python(), extra_args=tuple(v.extra_args))
     return VllmEngine(args, startup_timeout_s=v.startup_timeout_s, prompt_lookup=(v.prompt_lookup_min,
                                                                                   v.prompt_lookup_max))

@@ -396,6 +396,9 @@ class VllmServingConfig(Strict):
     max_model_len: int = Field(default=2048, ge=64, description="Context: the longest prompt plus max_new_tokens.")
     max_num_seqs: int = Field(default=4, ge=1, description="Sequences decoded together (continuous batching).")
     cpu_kvcache_space_gib: int = Field(default=2, ge=1, description="Cache space of vLLM's CPU build (GiB).")
+    enforce_eager: bool = Field(default=True, description=(
+        "No torch.compile / CUDA graphs: each server starts in under a minute on a CPU. False measures the engine "
+        "as compiled (minutes of start-up per server on a CPU; on GPUs CUDA graphs matter for speed)."))
     ngram: bool = Field(default=True, description="vLLM's own n-gram method (prompt lookup) at ngram_tokens, alongside.")
     prompt_lookup_min: int = Field(default=1, ge=1, description="n-gram: shortest context suffix matched.")
     prompt_lookup_max: int = Field(default=3, ge=1, description="n-gram: longest context suffix matched.")
