@@ -104,7 +104,8 @@ def main() -> None:
             value = measure_offline(model, tokenizer, identity.chat_template, draft, held, len(prompts), k, args.max_new)
         if value is not None:
             offline[k] = value
-    engine = VllmEngine(VllmEngineArgs(model=files.folder, dtype=args.dtype, max_model_len=2048,
+    context = max(len(p) for p in prompts) + args.max_new + 16  # the longest prompt, its answer, k drafts
+    engine = VllmEngine(VllmEngineArgs(model=files.folder, dtype=args.dtype, max_model_len=context,
                                        max_num_seqs=max(args.concurrency), enforce_eager=not args.compile))
     print(f"vLLM ({args.dtype}) on {files.folder}: baseline, {draft} at k={args.ks}, n-gram k={args.ngram_k}; "
           f"{len(prompts)} held-out chat prompts x {args.max_new} new tokens, concurrency {args.concurrency}; "
