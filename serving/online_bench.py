@@ -3,13 +3,13 @@
 Owns the measurement of serving speed over HTTP: SGLang's native streaming `/generate`, llama.cpp's
 streaming `/completion` (token ids in and out, draft counters in `timings`), vLLM's streaming
 `/v1/completions` (token ids in and out, its per-request counters in `metrics.speculative_decoding`),
-or the OpenAI streaming API for servers with none of these; and the acceptance probe run right after a speculative
-launch. The numbers and the break-even arithmetic are in serving/bench_results.py (re-exported
-here). Promises: acceptance comes only from the server's own per-request counters (SGLang's
-`meta_info.spec_verify_ct`; llama.cpp's `timings.draft_n_accepted`; vLLM's `num_accepted_draft_tokens`), reported both token-weighted
-(sum / sum) and as a per-request mean under names that say which; a server declared speculative
-that reports no such counter is an error naming the config, never an acceptance of 1.0; a
-"baseline" that reports one is an error too (it speculates, and every speedup against it would be
+or the OpenAI streaming API for servers with none of these; and the acceptance probe run right
+after a speculative launch. The numbers and the break-even arithmetic are in
+serving/bench_results.py (re-exported here). Promises: acceptance comes only from the server's own
+per-request counters (SGLang's `meta_info.spec_verify_ct`; llama.cpp's `timings.draft_n_accepted`;
+vLLM's `num_accepted_draft_tokens`), reported both token-weighted (sum / sum) and as a per-request
+mean under names that say which; a server declared speculative that reports no such counter is an
+error naming the config, never an acceptance of 1.0; a "baseline" that reports one is an error too (it speculates, and every speedup against it would be
 wrong); a failed request fails the benchmark rather than quietly leaving the slow tail out.
 """
 
