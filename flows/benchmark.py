@@ -296,18 +296,8 @@ def _serving_ggufs(config: BenchConfig, store: LineageStore, row: dict | None) -
     else:
         raise LineageError(f"benchmark.serving needs the target as a GGUF for llama-server: the target is "
                            f"{t.model_path}; set benchmark.serving.target_gguf")
-    if serving.draft_gguf:
-        draft = Path(serving.draft_gguf)
-    else:
-        if row is None:
-            raise LineageError(f"benchmark.serving needs the draft as a GGUF: {config.checkpoint} is not a checkpoint "
-                               "registered in lineage, so no gguf export of it is known; set benchmark.serving.draft_gguf")
-        export = store.checkpoint_export(row["run_name"], row["step"], "gguf")
-        if export is None:
-            raise LineageError(f"benchmark.serving needs the draft as a GGUF: lineage has no gguf export of "
-                               f"{row['checkpoint']} (training run {row['run_name']!r}, step {row['step']}); train with "
-                               "export_formats including gguf, or set benchmark.serving.draft_gguf")
-        draft = Path(export["path"])
+    draft = Path(serving.draft_gguf) if serving.draft_gguf else \
+        _lineage_export(config, store, row, "gguf", "benchmark.serving.draft_gguf")
     if draft.is_dir():
         from tasks.export_gguf import GGUF_FILE
 
@@ -316,6 +306,19 @@ def _serving_ggufs(config: BenchConfig, store: LineageStore, row: dict | None) -
         if not path.is_file():
             raise LineageError(f"benchmark.serving: the {what} GGUF {path} does not exist")
     return target, draft
+
+
+def _lineage_export(config: BenchConfig, store: LineageStore, row: dict | None, fmt: str, setting: str) -> Path:
+    """The benchmarked checkpoint's export in format `fmt` (same training run and step), from lineage."""
+    if row is None:
+        raise LineageError(f"benchmark.serving needs the draft as {fmt}: {config.checkpoint} is not a checkpoint "
+                           f"registered in lineage, so no {fmt} export of it is known; set {setting}")
+    export = store.checkpoint_export(row["run_name"], row["step"], fmt)
+    if export is None:
+        raise LineageError(f"benchmark.serving needs the draft as {fmt}: lineage has no {fmt} export of "
+                           f"{row['checkpoint']} (training run {row['run_name']!r}, step {row['step']}); train with "
+                           f"export_formats including {fmt}, or set {setting}")
+    return Path(export["path"])
 
 
 def _vllm_paths(config: BenchConfig, store: LineageStore, row: dict | None) -> tuple[Path, Path]:
@@ -327,19 +330,8 @@ def _vllm_paths(config: BenchConfig, store: LineageStore, row: dict | None) -> t
     t = config.target
     target = load_configured_target_files(t.gguf, t.model_path, t.revision, t.trust_remote_code,
                                           serving.vllm.dtype).folder
-    if serving.vllm.draft:
-        draft = Path(serving.vllm.draft)
-    else:
-        if row is None:
-            raise LineageError(f"benchmark.serving (vllm) needs the draft in the speculators format: {config.checkpoint} "
-                               "is not a checkpoint registered in lineage; set benchmark.serving.vllm.draft")
-        export = store.checkpoint_export(row["run_name"], row["step"], "speculators")
-        if export is None:
-            raise LineageError(f"benchmark.serving (vllm) needs the draft in the speculators format: lineage has no "
-                               f"speculators export of {row['checkpoint']} (training run {row['run_name']!r}, step "
-                               f"{row['step']}); train with export_formats including speculators, or set "
-                               "benchmark.serving.vllm.draft")
-        draft = Path(export["path"])
+    draft = Path(serving.vllm.draft) if serving.vllm.draft else \
+        _lineage_export(config, store, row, "speculators", "benchmark.serving.vllm.draft")
     if not (draft / "config.json").is_file():
         raise LineageError(f"benchmark.serving (vllm): the draft folder {draft} has no config.json")
     return target, draft
