@@ -70,23 +70,24 @@ class EngineConfig:
 def engine_configs(draft_gguf: Path | None, draft_tokens: Sequence[int], ngram: NgramType | None = "ngram-simple",
                    ngram_k: int = 3) -> list[EngineConfig]:
     """The baseline, the EAGLE-3 draft at each K, then n-gram drafting at `ngram_k` (None: none)."""
-    if draft_tokens and draft_gguf is None:
-        raise ValueError("an EAGLE-3 sweep (draft_tokens) needs the draft GGUF")
-    if len(set(draft_tokens)) != len(draft_tokens):
-        raise ValueError(f"draft_tokens lists a K twice: {list(draft_tokens)}")
+    _check_sweep(draft_gguf, draft_tokens, "the draft GGUF")
     specs = [Speculation("draft-eagle3", draft_gguf, n_max=int(k)) for k in draft_tokens]
     if ngram is not None:
         specs.append(Speculation(ngram, n_max=ngram_k))
     return [EngineConfig(BASELINE)] + [EngineConfig(s.label, s) for s in specs]
 
 
+def _check_sweep(draft: Path | None, draft_tokens: Sequence[int], what: str) -> None:
+    if draft_tokens and draft is None:
+        raise ValueError(f"an EAGLE-3 sweep (draft_tokens) needs {what}")
+    if len(set(draft_tokens)) != len(draft_tokens):
+        raise ValueError(f"draft_tokens lists a K twice: {list(draft_tokens)}")
+
+
 def vllm_engine_configs(draft: Path | None, draft_tokens: Sequence[int], ngram: bool = True, ngram_k: int = 3,
                         prompt_lookup: tuple[int, int] = (1, 3)) -> list[EngineConfig]:
     """vLLM: the baseline, our EAGLE-3 export (speculators format) at each K, then vLLM's n-gram method at `ngram_k`."""
-    if draft_tokens and draft is None:
-        raise ValueError("an EAGLE-3 sweep (draft_tokens) needs the draft's speculators export")
-    if len(set(draft_tokens)) != len(draft_tokens):
-        raise ValueError(f"draft_tokens lists a K twice: {list(draft_tokens)}")
+    _check_sweep(draft, draft_tokens, "the draft's speculators export")
     specs = [VllmSpeculation("eagle3", int(k), draft) for k in draft_tokens]
     if ngram:
         specs.append(VllmSpeculation("ngram", ngram_k, prompt_lookup_min=prompt_lookup[0],
@@ -274,7 +275,8 @@ class EngineBenchResult:
                 "acceptance_request_mean": _round(lv.accept_length_request_mean),
                 "draft_n": lv.draft_n, "draft_n_accepted": lv.draft_n_accepted,
                 "draft_accept_rate": _round(lv.draft_accept_rate),
-                "accept_rate_by_position": lv.to_row()["accept_rate_by_position"],
+                "accept_rate_by_position": None if lv.position_accept_rate is None else
+                [_round(x) for x in lv.position_accept_rate],
                 "lossless": None if check is None else check.summary(),
                 "lossless_identical": None if check is None else check.identical,
                 "lossless_total": None if check is None else check.total,
