@@ -21,9 +21,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from storage.connection import DuckDBFile, StoreLocking, _now
+from storage.connection import StoreLocking, _now
 from storage.errors import LineageError
 from storage.evaluation import EvaluationReads
+from storage.minhash_index import NearIndexStore
 from storage.reports import LineageReports
 from storage.schema import BENCH_ROWS, GENERATION_ROWS, METRIC_ROWS, PROMPT_ROWS, SAMPLE_ROWS
 
@@ -40,7 +41,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class LineageStore(DuckDBFile, LineageReports, EvaluationReads):
+class LineageStore(NearIndexStore, LineageReports, EvaluationReads):
     """Every write and stage read of the lineage file (reports: `storage.reports`, `storage.evaluation`)."""
 
     # ------------------------------------------------------------ runs
@@ -95,51 +96,6 @@ class LineageStore(DuckDBFile, LineageReports, EvaluationReads):
             con.register("ids_in", pa.table({"prompt_id": prompt_ids}))
             rows = con.execute("SELECT DISTINCT p.prompt_id FROM prompts p JOIN ids_in USING (prompt_id)").fetchall()
         return {r[0] for r in rows}
-
-    def band_collisions(self, params: str, keys: np.ndarray) -> tuple[np.ndarray, list[str]]:
-        """Stored prompts sharing an LSH bucket with batch texts: (batch index, prompt id) pairs."""
-        if not self.path.exists() or keys.size == 0:
-            return np.zeros(0, np.int64), []
-        n, bands = keys.shape
-        probe = pa.table({
-            "idx": np.repeat(np.arange(n, dtype=np.int64), bands),
-            "band": np.tile(np.arange(bands, dtype=np.int16), n),
-            "bucket": keys.reshape(-1),
-        })
-        with self.read() as con:
-            con.register("probe", probe)
-            rows = con.execute(
-                "SELECT DISTINCT p.idx, b.prompt_id FROM probe p JOIN prompt_lsh_bands b "
-                "ON b.params = ? AND b.band = p.band AND b.bucket = p.bucket ORDER BY p.idx, b.prompt_id",
-                [params],
-            ).fetchall()
-        return np.array([r[0] for r in rows], dtype=np.int64), [r[1] for r in rows]
-
-    def minhash_signatures(self, params: str, prompt_ids: list[str], num_perm: int) -> np.ndarray:
-        if not prompt_ids:
-            return np.zeros((0, num_perm), np.uint32)
-        with self.read() as con:
-            con.register("ids_in", pa.table({"prompt_id": prompt_ids, "pos": np.arange(len(prompt_ids))}))
-            rows = con.execute(
-                "SELECT i.pos, m.signature FROM ids_in i JOIN prompt_minhash m "
-                "ON m.prompt_id = i.prompt_id AND m.params = ? ORDER BY i.pos",
-                [params],
-            ).fetchall()
-        if len(rows) != len(prompt_ids):
-            raise LineageError("a stored prompt lost its MinHash signature; rerun discover to backfill")
-        return np.stack([np.frombuffer(sig, dtype=np.uint32) for _, sig in rows])
-
-    def prompts_without_signature(self, params: str) -> tuple[list[str], list[list[dict]]]:
-        """Kept prompts with no signature under these near-dedupe parameters (after a change)."""
-        if not self.path.exists():
-            return [], []
-        with self.read() as con:
-            rows = con.execute(
-                "SELECT p.prompt_id, p.messages FROM prompts p ANTI JOIN "
-                "(SELECT prompt_id FROM prompt_minhash WHERE params = ?) m USING (prompt_id) ORDER BY p.prompt_id",
-                [params],
-            ).fetchall()
-        return [r[0] for r in rows], [r[1] for r in rows]
 
     def duplicate_chain_targets(self, prompt_ids: list[str]) -> dict[str, tuple[str, float | None]]:
         """Prompt ids (not stored as prompts) that earlier records were duplicates with, mapped to the
@@ -209,43 +165,20 @@ class LineageStore(DuckDBFile, LineageReports, EvaluationReads):
                 "INSERT INTO records SELECT source, record_key, native_id, outcome, reason, prompt_id, "
                 "duplicate_of, eval_item, similarity, run_id, recorded_at FROM rec_in ON CONFLICT DO NOTHING"
             )
+        inserted: set[str] = set()
         if prompts:
             table = pa.Table.from_pylist([{**p, "run_id": run_id, "created_at": now} for p in prompts], schema=PROMPT_ROWS)
             con.register("prm_in", table)
-            con.execute(
+            inserted = {r[0] for r in con.execute(
                 "INSERT INTO prompts SELECT prompt_id, messages, n_turns, chars, source, record_key, format, "
-                "run_id, created_at FROM prm_in ON CONFLICT DO NOTHING"
-            )
+                "run_id, created_at FROM prm_in ON CONFLICT DO NOTHING RETURNING prompt_id"
+            ).fetchall()}
         if minhash is not None:
-            self._insert_minhash(con, *minhash)
-
-    def write_minhash(self, params: str, prompt_ids: list[str], sig: np.ndarray, keys: np.ndarray) -> None:
-        with self.write() as con:
-            self._insert_minhash(con, params, prompt_ids, sig, keys)
-
-    @staticmethod
-    def _insert_minhash(con, params: str, prompt_ids: list[str], sig: np.ndarray, keys: np.ndarray) -> None:
-        if not prompt_ids:
-            return
-        con.register("sig_in", pa.table({
-            "prompt_id": prompt_ids,
-            "signature": [row.tobytes() for row in np.ascontiguousarray(sig, dtype=np.uint32)],
-        }))
-        con.execute(
-            "INSERT INTO prompt_minhash SELECT prompt_id, ?, signature FROM sig_in ON CONFLICT DO NOTHING", [params]
-        )
-        bands = keys.shape[1]
-        con.register("band_in", pa.table({
-            "band": np.tile(np.arange(bands, dtype=np.int16), len(prompt_ids)),
-            "bucket": keys.reshape(-1),
-            "prompt_id": np.repeat(np.array(prompt_ids, dtype=object), bands),
-        }))
-        # Only prompts whose signature was new get bands, so a replayed batch adds none twice.
-        con.execute(
-            "INSERT INTO prompt_lsh_bands SELECT ?, b.band, b.bucket, b.prompt_id FROM band_in b "
-            "WHERE NOT EXISTS (SELECT 1 FROM prompt_lsh_bands x WHERE x.params = ? AND x.prompt_id = b.prompt_id)",
-            [params, params],
-        )
+            # Only prompts this transaction stored are indexed: a prompt another process stored
+            # meanwhile is indexed by that process, so none is indexed twice.
+            params, ids, sig, keys = minhash
+            keep = [k for k, p in enumerate(ids) if p in inserted]
+            self._insert_minhash(con, params, [ids[k] for k in keep], sig[keep], keys[keep])
 
     # ------------------------------------------------------------ regenerate
 

@@ -616,4 +616,22 @@ MIGRATIONS: list[tuple[int, str, str]] = [
                      l.config_label, l.domain, l.drafter;
         """,
     ),
+    (
+        12,
+        "near-dedupe index as segment files (storage.minhash_index): registry minhash_segments; the in-database index goes",
+        """
+        CREATE TABLE minhash_segments (
+            params VARCHAR NOT NULL,
+            name VARCHAR NOT NULL,
+            rows BIGINT NOT NULL,
+            created_at TIMESTAMPTZ NOT NULL,
+            PRIMARY KEY (params, name)
+        );
+        -- ~3.4 KB per prompt in the file; the next discover rebuilds the index from the stored
+        -- prompts (the backfill: stored prompts not in the index), so nothing is lost.
+        DROP INDEX prompt_lsh_bands_bucket;
+        DROP TABLE prompt_lsh_bands;
+        DROP TABLE prompt_minhash;
+        """,
+    ),
 ]

@@ -73,13 +73,19 @@ def _row(rec: RawRecord, outcome: str, prompt: Prompt | None = None, **extra) ->
 
 
 def _prior_candidates(store: LineageStore, params: str, keys: np.ndarray, num_perm: int):
-    idx, prompt_ids = store.band_collisions(params, keys)
-    if not prompt_ids:
+    """Stored prompts sharing an LSH bucket with batch texts: ((batch index, prior index) pairs,
+    their signatures, their ids sorted), read from the near-dedupe index."""
+    index = store.near_index(params, num_perm, keys.shape[1])
+    idx, entries = index.candidates(keys)
+    if not len(idx):
         return None, None, []
-    unique_ids = sorted(set(prompt_ids))
-    pos = {p: i for i, p in enumerate(unique_ids)}
-    prior_sig = store.minhash_signatures(params, unique_ids, num_perm)
-    return (idx, np.array([pos[p] for p in prompt_ids], dtype=np.int64)), prior_sig, unique_ids
+    entries_u, entry_pos = np.unique(entries, return_inverse=True)
+    ids, sig = index.fetch(entries_u)
+    # Prior prompts numbered in prompt id order, one number per prompt even if indexed twice.
+    ids_u, first, id_pos = np.unique(ids, return_index=True, return_inverse=True)
+    m = len(ids_u)
+    code = np.unique(idx * m + id_pos[entry_pos])
+    return (code // m, code % m), sig[first], [p.decode() for p in ids_u]
 
 
 def decide_outcomes(
@@ -209,12 +215,12 @@ def decide_outcomes(
 
 
 def backfill_signatures(store: LineageStore, near: NearDedupeConfig) -> int:
-    """Give stored prompts signatures under the current near-dedupe parameters (after a change)."""
+    """Index stored prompts the near-dedupe index lacks under the current parameters (after a
+    change of parameters, or an upgrade from the in-database index)."""
     params = minhash_params_key(near)
-    ids, messages = store.prompts_without_signature(params)
+    ids, messages = store.prompts_not_indexed(params)
     if not ids:
         return 0
     bands, band_rows = lsh_params(near.threshold, near.num_perm)
     sig = signatures([prompt_text(m) for m in messages], near.num_perm, near.ngram, near.shingle)
-    store.write_minhash(params, ids, sig, band_keys(sig, bands, band_rows))
-    return len(ids)
+    return store.write_minhash(params, ids, sig, band_keys(sig, bands, band_rows))

@@ -23,9 +23,9 @@ What a prompt is (the regenerate stage builds on this):
 from __future__ import annotations
 
 import hashlib
-import json
 import unicodedata
 from dataclasses import dataclass
+from json.encoder import encode_basestring as _json_str
 
 ROLE_MAP: dict[str, str] = {
     "system": "system", "instruction": "system",
@@ -70,9 +70,12 @@ def canonical_text(text: str) -> str:
 
 
 def prompt_id_of(messages: list[dict]) -> str:
-    parts = [[m["role"], canonical_text(m["content"])] for m in messages if m["role"] != "assistant"]
-    blob = json.dumps(parts, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+    # The bytes json.dumps(parts, ensure_ascii=False, separators=(",", ":")) gives, built from
+    # its C string encoder directly: json.dumps makes a new encoder per call, a third of
+    # discover's per-record cost at 10M records.
+    parts = ",".join(f"[{_json_str(m['role'])},{_json_str(canonical_text(m['content']))}]"
+                     for m in messages if m["role"] != "assistant")
+    return hashlib.sha256(f"[{parts}]".encode()).hexdigest()[:32]
 
 
 def detect_format(data: dict) -> str | None:
