@@ -355,9 +355,9 @@ def source_quotas(configs: list[SourceConfig], available: dict[str, int], total_
 
     Share left unused by a small source is handed to the others, by weight, until spent.
     """
-    caps = {c.name: min(c.limit or available[c.name], available[c.name]) for c in configs}
-    if total_limit is None:
+    if total_limit is None:  # no sizes needed: `available` may be empty
         return {c.name: (c.limit if c.limit is not None else None) for c in configs}
+    caps = {c.name: min(c.limit or available[c.name], available[c.name]) for c in configs}
     quota = {c.name: 0 for c in configs}
     left = total_limit
     open_ = [c for c in configs if caps[c.name] > 0]
