@@ -15,7 +15,8 @@ Phases (each resumable; rerun the same command to continue):
    bring: the shipped JSON itself (cut mid-record), ShareGPT JSON and JSONL, OpenAI messages
    JSONL and Parquet, Alpaca JSON, prompt/response JSONL.gz and Parquet, one JSONL cut
    deliberately mid-record, one with bad rows. Prompts are the conversations' user turns, varied
-   (each user turn joined by another conversation's opening turn) to make ~88K distinct prompts;
+   (each user turn joined by another conversation's opening turn, 5 variants of each conversation,
+   the one-turn formats taking the first turn) to make ~88K distinct prompts, the mission's count;
    records repeat them exactly, re-cased/re-spaced, or with one word changed. Answers in the
    sources are cut to 300 characters: regenerate replaces them, and it keeps the files small.
 2. discover: `eagle3 discover` on all 10; wall time and peak memory (RSS of the process tree).
@@ -85,11 +86,12 @@ SOURCES = [  # name, file, format written, the share of records it holds
 # ---------------------------------------------------------------- 1. sources
 
 
-def base_conversations() -> tuple[list[list[tuple[str, str]]], list[int]]:
-    """ShareGPT's readable conversations as (role, text) turns (user turns capped at 4), and its answer lengths."""
+def base_conversations() -> tuple[list[list[tuple[str, str]]], list[str], list[int]]:
+    """ShareGPT's readable conversations as (role, text) turns, cut after their 4th user turn at most;
+    each one's first answer (for one-turn formats); every answer's length in tokens (characters / 4)."""
     records, _ = read_file(sharegpt_package_path(), "sharegpt")
     roles = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "system": "system"}
-    convs, lengths = [], []
+    convs, answers, lengths = [], [], []
     for r in records:
         turns = []
         for m in (r.data or {}).get("conversations") or []:
@@ -100,9 +102,11 @@ def base_conversations() -> tuple[list[list[tuple[str, str]]], list[int]]:
                 lengths.append(max(1, min(4096, round(len(text) / 4))))
             turns.append((role, text))
         users = [i for i, (role, _) in enumerate(turns) if role == "user"]
-        if users:
+        answer = next((t for role, t in turns[users[0]:] if role == "assistant"), None) if users else None
+        if users and answer:
             convs.append(turns[: users[min(3, len(users) - 1)] + 1])
-    return convs, lengths
+            answers.append(answer[:ANSWER_CHARS_IN_SOURCES])
+    return convs, answers, lengths
 
 
 def variant(convs: list[list[tuple[str, str]]], i: int, k: int) -> list[tuple[str, str]]:
@@ -135,17 +139,16 @@ def edit(turns: list[tuple[str, str]], rng: random.Random) -> list[tuple[str, st
     return [(r, " ".join(words) if n == longest else t) for n, (r, t) in enumerate(turns)]
 
 
-def as_format(turns: list[tuple[str, str]], fmt: str) -> dict:
+def as_format(turns: list[tuple[str, str]], fmt: str, first_answer: str) -> dict:
     if fmt == "sharegpt":
         names = {"user": "human", "assistant": "gpt", "system": "system"}
         return {"conversations": [{"from": names[r], "value": t} for r, t in turns]}
     if fmt == "openai":
         return {"messages": [{"role": r, "content": t} for r, t in turns]}
     first = next(t for r, t in turns if r == "user")
-    answer = next((t for r, t in turns if r == "assistant"), "")
     if fmt == "alpaca":
-        return {"instruction": first, "input": "", "output": answer}
-    return {"prompt": first, "response": answer}
+        return {"instruction": first, "input": "", "output": first_answer}
+    return {"prompt": first, "response": first_answer}
 
 
 BAD_ROWS = [
@@ -161,11 +164,11 @@ BAD_ROWS = [
 
 def build_sources(out: Path, records: int, seed: int) -> dict:
     """Write the 10 catalogs; returns what was written (records per source, bad rows, cuts)."""
-    convs, lengths = base_conversations()
+    convs, answers, lengths = base_conversations()
     out.mkdir(parents=True, exist_ok=True)
     (out / "answer_lengths.txt").write_text("\n".join(map(str, lengths)) + "\n")
     rng = random.Random(seed)
-    multi_items = 4  # variants k = 0..3 of each conversation: the multi-turn prompt universe
+    multi_items = 5  # variants k = 0..4 of each conversation: the multi-turn prompt universe
     shipped = 17_672
     built = records - shipped
     written = {"sharegpt_shipped": shipped}
@@ -176,7 +179,7 @@ def build_sources(out: Path, records: int, seed: int) -> dict:
         for _ in range(n):
             i = rng.randrange(len(convs))
             k = rng.randrange(multi_items) if fmt in ("sharegpt", "openai") else 0
-            rows.append(as_format(edit(variant(convs, i, k), rng), fmt))
+            rows.append(as_format(edit(variant(convs, i, k), rng), fmt, answers[i]))
         path = out / file
         if name == "sharegpt_bad_rows_jsonl":
             lines = [json.dumps(r) for r in rows]

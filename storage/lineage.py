@@ -160,14 +160,21 @@ class LineageStore(NearIndexStore, LineageReports, EvaluationReads):
     def _insert_discover(self, con, run_id: str, now: datetime, records: list[dict], prompts: list[dict],
                          minhash: tuple[str, list[str], np.ndarray, np.ndarray] | None) -> None:
         if records:
-            con.register("rec_in", pa.Table.from_pylist([{**r, "run_id": run_id, "recorded_at": now} for r in records]))
+            # Built column by column: a dict per row through from_pylist was a third of the write at 10M records.
+            columns = {k: [r[k] for r in records] for k in records[0]}
+            columns["similarity"] = pa.array(columns["similarity"], type=pa.float32())
+            con.register("rec_in", pa.table({**columns, "run_id": pa.repeat(run_id, len(records)),
+                                             "recorded_at": pa.repeat(pa.scalar(now, pa.timestamp("us", tz="UTC")),
+                                                                      len(records))}))
             con.execute(
                 "INSERT INTO records SELECT source, record_key, native_id, outcome, reason, prompt_id, "
                 "duplicate_of, eval_item, similarity, run_id, recorded_at FROM rec_in ON CONFLICT DO NOTHING"
             )
         inserted: set[str] = set()
         if prompts:
-            table = pa.Table.from_pylist([{**p, "run_id": run_id, "created_at": now} for p in prompts], schema=PROMPT_ROWS)
+            columns = {k: [p[k] for p in prompts] for k in PROMPT_ROWS.names if k not in ("run_id", "created_at")}
+            table = pa.Table.from_pydict({**columns, "run_id": [run_id] * len(prompts), "created_at": [now] * len(prompts)},
+                                         schema=PROMPT_ROWS)
             con.register("prm_in", table)
             inserted = {r[0] for r in con.execute(
                 "INSERT INTO prompts SELECT prompt_id, messages, n_turns, chars, source, record_key, format, "

