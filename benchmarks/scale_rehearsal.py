@@ -60,7 +60,7 @@ import yaml  # noqa: E402
 
 from flows.prefect_api import start_local_api  # noqa: E402
 from serving.embedded import free_port  # noqa: E402
-from serving.scripted_server import drawn_length, long_answer, spawn  # noqa: E402
+from serving.scripted_server import long_answer, spawn  # noqa: E402
 from storage.lineage import LineageStore  # noqa: E402
 from tasks.sources import read_file, sharegpt_package_path  # noqa: E402
 
@@ -582,6 +582,66 @@ def measure_queries(ws: Path, cfg: Path, env: dict) -> dict:
     }
 
 
+# ---------------------------------------------------------------- report
+
+
+def gb(n: float) -> str:
+    return f"{n / 2**30:.2f} GB"
+
+
+def report(state: dict) -> str:
+    """The rehearsal as the tables benchmarks/README.md shows."""
+    src, disc, reg, ver, qs = (state.get(k, {}) for k in ("sources", "discover", "regenerate", "verify", "queries"))
+    out = ["| records in | kept | held out | exact dup | near dup | contaminated | quarantined | reconciles |",
+           "|---:|---:|---:|---:|---:|---:|---:|---|"]
+    o = disc.get("outcomes", {})
+    total = sum(o.values())
+    out.append(f"| {total:,} | {o.get('kept', 0):,} | {o.get('heldout', 0):,} | {o.get('exact_duplicate', 0):,} | "
+               f"{o.get('near_duplicate', 0):,} | {o.get('contaminated', 0):,} | {o.get('quarantined', 0):,} | "
+               f"{'yes' if total == src.get('records') else 'NO'} ({src.get('records', 0):,} written) |")
+    out += ["", "| measure | value | target |", "|---|---:|---|"]
+    rows = [
+        ("discover: wall, CPU", f"{disc.get('seconds', 0):.0f} s, {disc.get('cpu_s', 0):.0f} s", ""),
+        ("discover: peak memory (process tree)", gb(disc.get("peak_rss", 0)), ""),
+    ]
+    if reg:
+        su = reg["slot_use"]
+        kills = sum(1 for r in reg["runs"] if r["ended"] == "kill -9")
+        gave_up = sum(1 for r in reg["runs"] if r["ended"] not in ("kill -9", "exit 0"))
+        rows += [
+            ("regenerate: prompts, requests, faults injected",
+             f"{ver.get('kept_prompts', 0):,}, {reg['server_requests']:,}, {reg['server_faults']:,} "
+             f"({reg['server_faults'] / max(1, reg['server_requests']):.1%})", ""),
+            ("regenerate: wall (compressed x{:g}); unscaled".format(reg["scale"]),
+             f"{reg['seconds'] / 60:.1f} min; {reg['seconds'] * reg['scale'] / 3600:.1f} h", "< 1 h"),
+            ("kill -9 of the stage; stops on the outage (restarted)", f"{kills}; {gave_up}", ">= 5 kills"),
+            ("lost generations", f"{ver.get('lost')}", "0"),
+            ("duplicated generations (lineage; Parquet rows)",
+             f"{ver.get('duplicated_rows_in_lineage')}; {ver.get('duplicated_rows_in_files')}", "0"),
+            ("failed prompts (recorded with reason)", f"{ver.get('failed_prompts')}", ""),
+            ("uncommitted files left on disk", f"{ver.get('files_unregistered_on_disk')}", "0"),
+            ("answers checked against the server's / wrong",
+             f"{ver.get('answers_checked', 0):,} / {ver.get('answers_wrong')}", "0 wrong"),
+            ("client CPU per request", f"{reg['client_cpu_ms_per_request']:.2f} ms", ""),
+            ("server slots busy, steady running", f"{su['busy_over_capacity_steady']:.3f}", ">= 0.95"),
+            ("server slots busy, whole run without the outage", f"{su['busy_over_capacity_no_outage']:.3f}", ""),
+            ("restart gaps (stage start to servers busy)",
+             ", ".join(f"{g:.1f}" for g in su["restart_gaps_s"]) + " s", ""),
+            ("regenerate: peak memory (process tree)", gb(reg["peak_rss"]), ""),
+        ]
+        for e in reg["eta"]:
+            rows.append((f"`progress` ETA error at {e['done']:.0%} done",
+                         f"{e['error']:+.0%} (ETA {e['eta_s']:.0f} s, actual {e['actual_remaining_s']:.0f} s)", ""))
+    if qs:
+        rows.append(("lineage database", gb(qs["lineage_db_bytes"]), ""))
+        for name, r in qs["cli"].items():
+            rows.append((f"`eagle3 {name}` wall", f"{r['median_s']:.2f} s" if "median_s" in r else "error", "< 2 s"))
+        for name, sec in qs["query_s"].items():
+            rows.append((f"query alone: {name}", f"{sec:.3f} s", ""))
+    out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(out)
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -598,7 +658,15 @@ def main() -> int:
     ap.add_argument("--verify-files", type=int, default=40, help="generation files whose answers are checked")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "scale_rehearsal.jsonl")
+    ap.add_argument("--report", action="store_true", help="print the tables of the workspace's finished phases, and stop")
     args = ap.parse_args()
+    if args.report:
+        state = json.loads((args.workspace / "rehearsal.json").read_text())
+        if "regenerate" in state and (args.workspace / "timeline.jsonl").exists():  # slot use as this code counts it
+            reg = state["regenerate"]
+            reg["slot_use"] = slot_use(args.workspace / "timeline.jsonl", reg["events"], reg["servers"] * reg["slots"])
+        print(report(state))
+        return 0
 
     ws = args.workspace.resolve()
     (ws / "logs").mkdir(parents=True, exist_ok=True)
@@ -690,6 +758,7 @@ def main() -> int:
             servers.kill()
         if api_proc is not None:
             os.killpg(api_proc.pid, signal.SIGTERM)
+    print(report(state))
     state["date"] = time.strftime("%Y-%m-%d")
     state["args"] = {k: str(v) for k, v in vars(args).items()}
     args.results.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 TMP_PREFIX = ".tmp-"
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -52,7 +52,7 @@ def atomic_path(target: Path) -> Iterator[Path]:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -80,7 +80,7 @@ def remove_unregistered(folder: Path, registered: set[str], suffix: str = ".parq
             p.unlink()
             removed.append(p)
     if removed:
-        _fsync_dir(folder)
+        fsync_dir(folder)
     return removed
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from storage.connection import DuckDBFile, _now
+from storage.datasets import fsync_dir
 
 _LOW32 = np.uint64(0xFFFFFFFF)
 _SUFFIXES = (".ids.npy", ".sig.npy", ".keys.npy")
@@ -36,14 +37,6 @@ def fold_keys(keys: np.ndarray) -> np.ndarray:
     which signature verification then rejects."""
     k = np.asarray(keys, dtype=np.uint64)
     return ((k >> np.uint64(32)) ^ (k & _LOW32)).astype(np.uint32)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _save(path: Path, array: np.ndarray) -> None:
@@ -173,7 +166,7 @@ def write_segment(folder: Path, prompt_ids: list[str], sig: np.ndarray, keys: np
     _save(folder / f"{name}.ids.npy", np.array(prompt_ids, dtype="S32"))
     _save(folder / f"{name}.sig.npy", np.ascontiguousarray(sig, dtype=np.uint32))
     _save(folder / f"{name}.keys.npy", fold_keys(keys))
-    _fsync_dir(folder)
+    fsync_dir(folder)
     return name
 
 
@@ -185,7 +178,7 @@ def remove_unregistered_segments(folder: Path, registered: set[str]) -> list[Pat
                 p.unlink()
                 removed.append(p)
     if removed:
-        _fsync_dir(folder)
+        fsync_dir(folder)
     return removed
 
 

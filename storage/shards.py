@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save as _st_save
 from safetensors.torch import save_file as _st_save_file
 
-from storage.datasets import TMP_PREFIX, _fsync_dir, atomic_path, file_sha256, remove_unregistered
+from storage.datasets import TMP_PREFIX, fsync_dir, atomic_path, file_sha256, remove_unregistered
 
 SUFFIX = ".safetensors"
 OFFSETS_KEY = "sample_offsets"
@@ -238,7 +238,7 @@ class ShardStore:
             path.unlink()
         except FileNotFoundError:
             return False
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
         return True
 
     def cleanup(self, registered: set[str]) -> list[Path]:
