@@ -151,3 +151,42 @@ def test_checkpoint_paths_are_absolute_and_found_from_another_directory(tmp_path
     assert Path(row["path"]).is_dir()
     assert store.checkpoint_row(str(run_dir / "runs" / "x" / "export"))["checkpoint"] == "x/sglang-step-1"
     assert store.checkpoint_lineage(str(run_dir / "runs" / "x" / "export"))[0]["checkpoint"] == "x/sglang-step-1"
+
+
+def test_regenerate_eta_is_paced_in_requests_not_prompts(tmp_path):
+    """The rehearsal's queue ended with one-turn prompts after four-turn ones: a prompt-paced ETA was
+    42% long at 90% done. Here 10 four-turn prompts took the run 40 s (40 requests, 1 per second);
+    30 one-turn prompts remain: 30 requests, about 30 s, not the 120 s that 10 prompts per 40 s says."""
+    from tasks.config import NearDedupeConfig, RegenerateConfig
+    from tasks.outcomes import decide_outcomes
+    from tasks.regenerate import GenerationSpec, generation_row, lineage_row
+    from tasks.sources import RawRecord
+
+    store = LineageStore(tmp_path / "lineage.duckdb")
+
+    def conversation(k: int, turns: int) -> dict:
+        return {"messages": [m for t in range(turns) for m in (
+            {"role": "user", "content": f"question {k} part {t} " + " ".join(f"w{k}x{t}x{j}" for j in range(12))},
+            {"role": "assistant", "content": "an answer"})][:-1]}
+
+    records = [RawRecord("s", f"#{k}", conversation(k, 4 if k < 10 else 1)) for k in range(40)]
+    batch = decide_outcomes(records, {"s": ("openai", "prompt", "response")}, store, NearDedupeConfig(enabled=False), None)
+    assert batch.counts() == {"kept": 40}
+    store.write_discover_batch("discover", batch.records, batch.prompts, None)
+
+    spec = GenerationSpec.from_config(RegenerateConfig(target_model="t", endpoints=[{"url": "http://e"}]), "template")
+    run = store.begin_run("regenerate", {}, "hash", None, None)
+    gens = []
+    for p in batch.prompts[:10]:
+        messages = [m for u in p["messages"] for m in (u, {"role": "assistant", "content": "target answer"})]
+        turns = [{"finish_reason": "stop", "completion_tokens": 2, "prompt_tokens": 5, "latency_s": 1.0,
+                  "endpoint": "e", "served_model": "t"} for _ in range(4)]
+        gens.append(lineage_row(generation_row(spec, p["prompt_id"], messages, turns, "server"), "part-1.parquet"))
+    store.write_generations(run, {"file": "part-1.parquet", "params_key": spec.params_key, "rows": 10, "bytes": 1,
+                                  "sha256": "-"}, gens, [])
+    with store.write() as con:  # the run began 40 s ago and is still going
+        con.execute("UPDATE runs SET started_at = now() - INTERVAL 40 SECOND WHERE run_id = ?", [run])
+    cols, rows = store.query_readonly("SELECT pending, eta FROM progress WHERE stage = 'regenerate'")
+    pending, eta = rows[0]
+    assert pending == 30
+    assert 25 <= eta.total_seconds() <= 40, eta
