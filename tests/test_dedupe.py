@@ -241,3 +241,23 @@ def test_every_duplicate_in_a_planted_fixture_names_a_kept_prompt(tmp_path, batc
         "SELECT count(*) FROM record_outcomes d WHERE d.duplicate_of IS NOT NULL AND d.duplicate_of NOT IN "
         "(SELECT prompt_id FROM record_outcomes WHERE outcome = 'kept')")
     assert bad == [(0,)]
+
+
+def test_deciding_a_batch_runs_without_cyclic_gc_and_gives_it_back(tmp_path, monkeypatch):
+    """Each collection walks every object the process holds: at 1M+ records a third of deciding."""
+    import gc
+
+    import tasks.outcomes as outcomes
+
+    seen = []
+    real = outcomes.normalise_record
+
+    def watching(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(outcomes, "normalise_record", watching)
+    assert gc.isenabled()
+    decide_outcomes(_records(["one text", "another text"]), FORMATS, LineageStore(tmp_path / "l.duckdb"),
+                    NearDedupeConfig(), None)
+    assert seen == [False, False] and gc.isenabled()
