@@ -393,31 +393,42 @@ def supervise_regenerate(ws: Path, cfg: Path, env: dict, servers: Servers, kills
 def slot_use(timeline: Path, events: list[dict], slots_total: int) -> dict:
     """Busy slot-seconds over capacity, from the servers' own counters sampled each second.
 
-    Each sampled second is one of: the outage (servers down), a restart gap (from a stage's start,
-    kill or exit until the servers are busy again: Prefect start-up, loading the pending prompts),
-    or steady running. Utilisation is reported for the whole run, without the outage, and steady.
+    Each sampled second is one of: the outage (servers down), a restart gap (from a stage's kill or
+    exit until the next process's first request reaches a server: the kill, Prefect's start-up,
+    loading the pending prompts), or steady running. A killed client's in-flight requests still
+    run to the end on the servers, so the first part of a gap can look busy: that work is wasted,
+    and it is counted as busy. Utilisation is reported for the whole run, without the outage, and
+    steady; with every restart gap's length.
     """
     samples = [json.loads(line) for line in timeline.read_text().splitlines()]
-    outages, gaps_from = [], []
+    outages, gap_events = [], []
     for e in events:
         if e["event"].startswith("outage begins"):
             outages.append([e["t"], float("inf")])
         elif e["event"].startswith("outage ends") and outages:
             outages[-1][1] = e["t"]
-        elif e["event"] in ("start", "kill -9") or e["event"].startswith("exit"):
-            gaps_from.append(e["t"])
+        elif e["event"] == "kill -9" or e["event"].startswith("exit") or (e["event"] == "start" and e["t"] == 0):
+            gap_events.append(e["t"])
     acc = {k: [0.0, 0.0] for k in ("all", "no_outage", "steady", "outage", "restart_gap")}
-    restarts = []  # seconds from a stage start until the servers are busy again
-    prev, gap_open = None, None
+    gaps = []
+    prev = None
+    gap_from, gap_requests = None, None  # an open gap: when it began, the servers' request count then
     for s in samples:
         t = s["t"]
-        while gaps_from and gaps_from[0] <= t:
-            gap_open = gaps_from.pop(0) if gap_open is None else gap_open
-            gaps_from and gaps_from[0] <= t and gaps_from.pop(0)
+        while gap_events and gap_events[0] <= t:
+            t_gap = gap_events.pop(0)
+            if gap_from is None:
+                gap_from, gap_requests = t_gap, None
         ms = s.get("servers")
         up = bool(ms) and all(m is not None for m in ms)
-        busy_now = sum(m["busy_now"] for m in ms) if up else 0
-        if prev is not None and up and prev[1] is not None:
+        requests = sum(m["requests"] for m in ms) if up else None
+        if gap_from is not None and up:
+            if gap_requests is None or requests < gap_requests:  # first look, or servers restarted since
+                gap_requests = requests
+            elif requests > gap_requests:  # the new process's first request arrived
+                gaps.append(t - gap_from)
+                gap_from = None
+        if prev is not None and up:
             total = sum(m["busy_slot_s"] for m in ms)
             b, dt = total - prev[1], t - prev[0]
             if b >= 0:
@@ -425,17 +436,14 @@ def slot_use(timeline: Path, events: list[dict], slots_total: int) -> dict:
                 if any(a <= t <= z for a, z in outages):
                     kinds.append("outage")
                 else:
-                    kinds += ["no_outage", "restart_gap" if gap_open is not None else "steady"]
+                    kinds += ["no_outage", "restart_gap" if gap_from is not None else "steady"]
                 for k in kinds:
                     acc[k][0] += b
                     acc[k][1] += dt * slots_total
-        if gap_open is not None and busy_now > 0:
-            restarts.append(t - gap_open)
-            gap_open = None
-        prev = (t, sum(m["busy_slot_s"] for m in ms) if up else None)
+        prev = (t, sum(m["busy_slot_s"] for m in ms)) if up else None
     out = {f"busy_over_capacity_{k}": (b / c if c else None) for k, (b, c) in acc.items()}
     out.update({f"seconds_{k}": c / slots_total for k, (_, c) in acc.items()})
-    out["restart_gaps_s"] = restarts
+    out["restart_gaps_s"] = gaps
     return out
 
 
@@ -625,7 +633,7 @@ def report(state: dict) -> str:
             ("client CPU per request", f"{reg['client_cpu_ms_per_request']:.2f} ms", ""),
             ("server slots busy, steady running", f"{su['busy_over_capacity_steady']:.3f}", ">= 0.95"),
             ("server slots busy, whole run without the outage", f"{su['busy_over_capacity_no_outage']:.3f}", ""),
-            ("restart gaps (stage start to servers busy)",
+            ("start-up and restart gaps (start, kill or exit to the next first request)",
              ", ".join(f"{g:.1f}" for g in su["restart_gaps_s"]) + " s", ""),
             ("regenerate: peak memory (process tree)", gb(reg["peak_rss"]), ""),
         ]
