@@ -19,7 +19,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import scale_rehearsal as rehearsal  # noqa: E402
+import rehearsal_sources as rehearsal  # noqa: E402
 
 from serving.client import Endpoint, RetryPolicy, ServerPool  # noqa: E402
 from serving.scripted_server import drawn_length, long_answer, spawn  # noqa: E402
