@@ -19,10 +19,10 @@ from rich.progress import Progress
 from flows.runinfo import lineage_run
 from storage.lineage import LineageStore
 from storage.schema import OUTCOMES
-from tasks.config import DiscoverConfig
+from tasks.config import DiscoverConfig, SourceConfig
 from tasks.decontaminate import build_index
 from tasks.outcomes import backfill_signatures, decide_outcomes
-from tasks.sources import read_source, sample_records, source_quotas
+from tasks.sources import RawRecord, ReadReport, read_source, sample_records, source_quotas
 
 read_hub_task = task(read_source, name="read-hub-source", retries=2, retry_delay_seconds=5, cache_policy=NO_CACHE)
 read_local_task = task(read_source, name="read-source", cache_policy=NO_CACHE)
@@ -116,13 +116,13 @@ def _discover(config: DiscoverConfig, store: LineageStore, summary: DiscoverSumm
     )
 
 
-def _read(src):
+def _read(src: SourceConfig) -> tuple[list[RawRecord], list[ReadReport]]:
     # Hub loads get retries; a local file that cannot be read will not improve.
     return (read_hub_task if src.kind == "hub" else read_local_task)(src)
 
 
-def _read_new_records(src, quota: int | None, config: DiscoverConfig, store: LineageStore, summary: DiscoverSummary,
-                      logger) -> list:
+def _read_new_records(src: SourceConfig, quota: int | None, config: DiscoverConfig, store: LineageStore,
+                      summary: DiscoverSummary, logger) -> list[RawRecord]:
     """One source's sample, less the records lineage already has; its reads recorded, the summary counted."""
     records, reports = _read(src)
     store.record_source_reads(summary.run_id, [{
