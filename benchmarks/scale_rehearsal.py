@@ -326,7 +326,7 @@ def verify(ws: Path, sample: int, seed: int) -> dict:
     kept = q("SELECT count(*) FROM prompts p JOIN records r ON r.prompt_id = p.prompt_id AND r.outcome = 'kept' "
              "AND r.source = p.source AND r.record_key = p.record_key")[1][0][0]
     gens, distinct = q("SELECT count(*), count(DISTINCT generation_id) FROM generations")[1][0]
-    failed = q("SELECT count(DISTINCT prompt_id) FROM generation_failures")[1][0][0] if _has(store, "generation_failures") else 0
+    failed = q("SELECT count(DISTINCT prompt_id) FROM generation_failures")[1][0][0]
     pending = q("SELECT pending FROM progress WHERE stage = 'regenerate'")[1][0][0]
     files = q("SELECT file, rows FROM generation_files")[1]
     gen_dir = next((ws / "data" / "generations").iterdir())
@@ -358,10 +358,6 @@ def verify(ws: Path, sample: int, seed: int) -> dict:
             "duplicated_rows_in_lineage": gens - distinct, "rows_in_files": rows_in_files,
             "duplicated_rows_in_files": dup_rows, "files_registered": len(registered),
             "files_unregistered_on_disk": len(on_disk - registered), "answers_checked": checked, "answers_wrong": wrong}
-
-
-def _has(store: LineageStore, table: str) -> bool:
-    return bool(store.query_readonly(f"SELECT 1 FROM information_schema.tables WHERE table_name = '{table}'")[1])
 
 
 def timed_cli(args: list[str], env: dict, repeats: int = 3) -> dict:

@@ -148,8 +148,7 @@ class MinhashIndex:
 
     def all_ids(self) -> np.ndarray:
         """Every indexed prompt id (S32): for the backfill, which is rare."""
-        parts = [np.load(self.folder / f"{name}.ids.npy") for name in self.names]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype="S32")
+        return indexed_ids(self.folder, self.names)
 
     def nbytes(self) -> int:
         return sum(k.nbytes for run in self.runs for k in run) + self.starts.nbytes
@@ -157,6 +156,12 @@ class MinhashIndex:
 
 def params_folder(workspace: Path, params: str) -> Path:
     return workspace / "data" / "minhash" / re.sub(r"[^A-Za-z0-9._-]", "_", params)
+
+
+def indexed_ids(folder: Path, names: list[str]) -> np.ndarray:
+    """The prompt ids (S32) of these segments, read from their id files alone."""
+    parts = [np.load(folder / f"{name}.ids.npy") for name in names]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype="S32")
 
 
 def write_segment(folder: Path, prompt_ids: list[str], sig: np.ndarray, keys: np.ndarray) -> str:
@@ -250,9 +255,8 @@ class NearIndexStore(DuckDBFile):
             segments = self._segments(con, params)
             if sum(rows for _, rows in segments) >= n_prompts:  # one entry per prompt: complete
                 return [], []
-            index = MinhashIndex(params_folder(self.path.parent, params), 0, 0)
-            index.names = [name for name, rows in segments if rows > 0]
-            con.register("indexed", pa.table({"prompt_id": index.all_ids().astype(str)}))
+            ids = indexed_ids(params_folder(self.path.parent, params), [name for name, rows in segments if rows > 0])
+            con.register("indexed", pa.table({"prompt_id": ids.astype(str)}))
             rows = con.execute("SELECT p.prompt_id, p.messages FROM prompts p ANTI JOIN indexed USING (prompt_id) "
                                "ORDER BY p.prompt_id").fetchall()
         return [r[0] for r in rows], [r[1] for r in rows]
