@@ -21,14 +21,14 @@ from storage.lineage import LineageStore
 from storage.schema import OUTCOMES
 from tasks.config import DiscoverConfig, SourceConfig
 from tasks.decontaminate import build_index
-from tasks.outcomes import backfill_signatures, decide_outcomes
+from tasks.outcomes import backfill_signatures, decide_and_write
 from tasks.sources import RawRecord, ReadReport, read_source, sample_records, source_quotas
 
 read_hub_task = task(read_source, name="read-hub-source", retries=2, retry_delay_seconds=5, cache_policy=NO_CACHE)
 read_local_task = task(read_source, name="read-source", cache_policy=NO_CACHE)
 build_index_task = task(build_index, name="build-decontamination-index", cache_policy=NO_CACHE)
 backfill_task = task(backfill_signatures, name="backfill-minhash", cache_policy=NO_CACHE)
-decide_task = task(decide_outcomes, name="decide-outcomes", cache_policy=NO_CACHE)
+decide_write_task = task(decide_and_write, name="decide-and-write-outcomes", cache_policy=NO_CACHE)
 
 
 @dataclass
@@ -90,16 +90,14 @@ def _discover(config: DiscoverConfig, store: LineageStore, summary: DiscoverSumm
         job = bar.add_task("discover", total=None)
         for n, src in enumerate(config.sources):
             fresh = _read_new_records(src, quotas[src.name], config, store, summary, logger)
-            # Batches are decided and written one at a time: each batch dedupes against everything
+            # Batches are decided and written in order: each batch dedupes against everything
             # already stored, and each write is one transaction, so a crash loses no finished batch
             # and a rerun continues with the records not yet recorded.
-            for b in range(0, len(fresh), config.write_batch_records):
-                chunk = fresh[b : b + config.write_batch_records]
-                # quote: Prefect would otherwise walk every record's nested dicts looking for
-                # futures, twice per call (43% of discover's time at 1M records).
-                batch = decide_task(quote(chunk), formats, store, config.near_dedupe, index, config.heldout)
-                store.write_discover_batch(summary.run_id, batch.records, batch.prompts, batch.minhash)
-                bar.advance(job, len(chunk))
+            chunks = [fresh[b : b + config.write_batch_records] for b in range(0, len(fresh), config.write_batch_records)]
+            # quote: Prefect would otherwise walk every record's nested dicts looking for futures,
+            # twice per call (43% of discover's time at 1M records).
+            decide_write_task(quote(chunks), summary.run_id, formats, store, config.near_dedupe, index, config.heldout,
+                              on_written=lambda batch: bar.advance(job, len(batch.records)))
             update_progress_artifact(artifact_id, progress=100.0 * (n + 1) / len(config.sources))
     logger.info("%d records read, %d new after sampling and lineage", summary.records_read, summary.records_in)
 

@@ -8,6 +8,7 @@ import json
 import random
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from storage.lineage import LineageStore
 from tasks.config import NearDedupeConfig
 from tasks.dedupe import band_keys, cluster, lsh_params, ngram_hashes, signatures
-from tasks.outcomes import decide_outcomes
+from tasks.outcomes import decide_and_write, decide_outcomes
 from tasks.prompts import canonical_text
 from tasks.sources import RawRecord
 
@@ -261,3 +262,78 @@ def test_deciding_a_batch_runs_without_cyclic_gc_and_gives_it_back(tmp_path, mon
     decide_outcomes(_records(["one text", "another text"]), FORMATS, LineageStore(tmp_path / "l.duckdb"),
                     NearDedupeConfig(), None)
     assert seen == [False, False] and gc.isenabled()
+
+
+def _outcome_rows(store: LineageStore) -> list[tuple]:
+    return store.query_readonly("SELECT source, record_key, outcome, prompt_id, duplicate_of, similarity "
+                                "FROM records ORDER BY source, record_key")[1]
+
+
+def test_overlapped_decide_and_write_gives_the_outcomes_of_one_batch_after_the_other(tmp_path):
+    """The next batch is prepared while the last one is written, and still resolved against it."""
+    records = _records(_planted_records())
+    chunks = [records[k : k + 37] for k in range(0, len(records), 37)]
+    one_by_one = LineageStore(tmp_path / "a.duckdb")
+    for chunk in chunks:
+        batch = decide_outcomes(chunk, FORMATS, one_by_one, NearDedupeConfig(), None)
+        one_by_one.write_discover_batch("run", batch.records, batch.prompts, batch.minhash)
+    overlapped = LineageStore(tmp_path / "b.duckdb")
+    written = []
+    decide_and_write(chunks, "run", FORMATS, overlapped, NearDedupeConfig(), None,
+                     on_written=lambda b: written.append(len(b.records)))
+    assert written == [len(c) for c in chunks]
+    expected = _outcome_rows(one_by_one)
+    assert len(expected) == len(records) and {r[2] for r in expected} >= {"exact_duplicate", "near_duplicate"}
+    assert _outcome_rows(overlapped) == expected
+
+
+class _SlowWriteStore(LineageStore):
+    """Logs each write's start and end and each store read that resolving a batch starts with."""
+
+    def __init__(self, path, log, fail_on=None):
+        super().__init__(path)
+        self.log, self.fail_on, self.writes = log, fail_on, 0
+
+    def write_discover_batch(self, run_id, records, prompts, minhash):
+        n = self.writes = self.writes + 1
+        self.log.append(("write start", n))
+        time.sleep(0.3)
+        if n == self.fail_on:
+            raise OSError("disk full")
+        super().write_discover_batch(run_id, records, prompts, minhash)
+        self.log.append(("write end", n))
+
+    def existing_prompt_ids(self, prompt_ids):
+        self.log.append(("resolve", self.writes + 1))
+        return super().existing_prompt_ids(prompt_ids)
+
+
+def test_a_batch_is_resolved_only_after_the_previous_write_committed_and_prepared_during_it(tmp_path, monkeypatch):
+    import tasks.outcomes as outcomes
+
+    log: list[tuple[str, int]] = []
+    real = outcomes.prepare_batch
+    prepared = iter(range(1, 4))
+    monkeypatch.setattr(outcomes, "prepare_batch",
+                        lambda *a, **k: (log.append(("prepare", next(prepared))), real(*a, **k))[1])
+    chunks = [_records([f"text number {k} " * 8], start=k) for k in range(3)]
+    decide_and_write(chunks, "run", FORMATS, _SlowWriteStore(tmp_path / "l.duckdb", log), NearDedupeConfig(), None)
+    at = {event: k for k, event in enumerate(log)}
+    assert len(at) == len(log) == 12
+    for n in (1, 2, 3):
+        assert at[("prepare", n)] < at[("resolve", n)] < at[("write start", n)] < at[("write end", n)]
+    for n in (1, 2):
+        # the next batch is prepared while this one is written, and resolved only once it is in
+        assert at[("write start", n)] < at[("write end", n)] and at[("prepare", n + 1)] < at[("write end", n)]
+        assert at[("write end", n)] < at[("resolve", n + 1)]
+        assert at[("resolve", n)] < at[("prepare", n + 1)]
+
+
+def test_a_failed_write_stops_before_the_next_batch_is_resolved(tmp_path):
+    log: list[tuple[str, int]] = []
+    store = _SlowWriteStore(tmp_path / "l.duckdb", log, fail_on=2)
+    chunks = [_records([f"text number {k} " * 8], start=k) for k in range(4)]
+    with pytest.raises(OSError, match="disk full"):
+        decide_and_write(chunks, "run", FORMATS, store, NearDedupeConfig(), None)
+    assert ("resolve", 3) not in log and ("write start", 3) not in log
+    assert [r[1] for r in _outcome_rows(store)] == ["L0"]  # batch 1 committed, nothing of batch 2

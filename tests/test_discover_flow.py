@@ -324,7 +324,10 @@ def test_decide_batches_reach_the_task_without_prefect_walking_every_record(pref
     visit = prefect.task_engine.visit_collection
 
     def watching(expr, *args, **kwargs):
-        if isinstance(expr, list) and expr and isinstance(expr[0], RawRecord):
+        first = expr[0] if isinstance(expr, list) and expr else None
+        if isinstance(first, list) and first:  # the batches of a source
+            first = first[0]
+        if isinstance(first, RawRecord):
             walked.append(len(expr))
         return visit(expr, *args, **kwargs)
 
