@@ -213,6 +213,8 @@ def regenerate(
     workspace: Optional[str] = WorkspaceOpt,
     retry_failed: bool = typer.Option(False, "--retry-failed", help="Retry prompts recorded as failed."),
     limit: Optional[int] = typer.Option(None, "--limit", help="At most this many prompts this run."),
+    selection: Optional[str] = typer.Option(None, "--selection", help="uniform (queue order) or acceptance (more "
+                                            "where the latest probe found the draft weakest); default: the config's."),
     print_baseline_command: bool = typer.Option(
         False, "--print-baseline-command", help="Print the validated production baseline launch command and exit."),
 ) -> None:
@@ -226,6 +228,11 @@ def regenerate(
     update = {"retry_failed": retry_failed or section.retry_failed}
     if limit is not None:
         update["limit"] = limit
+    if selection is not None:
+        if selection not in ("uniform", "acceptance"):
+            err.print(f"[red]--selection must be uniform or acceptance, got {selection!r}[/red]", highlight=False)
+            raise typer.Exit(2)
+        update["selection"] = selection
     summary = _run_flow(regenerate_flow, section.model_copy(update=update))
     _print_dicts(summary_table(summary), f"regenerate run {summary.run_id}")
     console.print(f"generations in {summary.generations_dir}", highlight=False)
@@ -313,6 +320,20 @@ def train(
     _print_dicts(rows, f"train run {summary.run_name}")
     if summary.stopped_by == "no_data":
         console.print("[yellow]no shards to train on[/yellow]: run `eagle3 extract` for the next round", highlight=False)
+
+
+@app.command()
+def probe(config: Path = ConfigOpt, workspace: Optional[str] = WorkspaceOpt) -> None:
+    """Measure the latest export's acceptance per cluster on held-out prompts (what `--selection acceptance` reads)."""
+    from flows.probe import probe as probe_flow
+
+    section = _config(config, workspace).probe_section(required=True)
+    summary = _run_flow(probe_flow, section)
+    if summary.skipped:
+        console.print(f"[yellow]{summary.skipped}[/yellow]", highlight=False)
+    if summary.rows:
+        _print_dicts([{"cluster": r["cluster"], "prompts": r["prompts"], "acceptance": r["acceptance"], "k": r["k"]}
+                      for r in summary.rows], f"probe {summary.probe_id} of {summary.export_dir}")
 
 
 @app.command()

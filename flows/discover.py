@@ -21,6 +21,7 @@ from storage.lineage import LineageStore
 from storage.schema import OUTCOMES
 from tasks.config import DiscoverConfig, SourceConfig
 from tasks.decontaminate import build_index
+from tasks.domains import tag_untagged
 from tasks.outcomes import backfill_signatures, decide_and_write
 from tasks.sources import RawRecord, ReadReport, read_source, sample_records, source_quotas
 
@@ -28,6 +29,7 @@ read_hub_task = task(read_source, name="read-hub-source", retries=2, retry_delay
 read_local_task = task(read_source, name="read-source", cache_policy=NO_CACHE)
 build_index_task = task(build_index, name="build-decontamination-index", cache_policy=NO_CACHE)
 backfill_task = task(backfill_signatures, name="backfill-minhash", cache_policy=NO_CACHE)
+tag_task = task(tag_untagged, name="tag-prompts", cache_policy=NO_CACHE)
 decide_write_task = task(decide_and_write, name="decide-and-write-outcomes", cache_policy=NO_CACHE)
 
 
@@ -42,6 +44,7 @@ class DiscoverSummary:
     records_in: int = 0
     outcomes: dict[str, int] = field(default_factory=dict)
     stored_prompts: int = 0
+    tagged: int = 0
     truncated_sources: list[str] = field(default_factory=list)
     top_quarantine_reasons: list[tuple[str, int]] = field(default_factory=list)
 
@@ -101,6 +104,9 @@ def _discover(config: DiscoverConfig, store: LineageStore, summary: DiscoverSumm
             update_progress_artifact(artifact_id, progress=100.0 * (n + 1) / len(config.sources))
     logger.info("%d records read, %d new after sampling and lineage", summary.records_read, summary.records_in)
 
+    # Domain and cluster of every stored prompt (acceptance-aware selection reads them); after the
+    # batches so deduping never waits on it, and a rerun tags what a crash left untagged.
+    summary.tagged = tag_task(store)
     summary.outcomes = store.outcome_counts(summary.run_id)
     summary.top_quarantine_reasons = store.quarantine_reasons(summary.run_id)
     summary.stored_prompts = store.export_prompts(Path(summary.dataset))

@@ -2,7 +2,9 @@
 
 Orchestration only: discover -> regenerate -> rounds of (extract until the disk budget is full ->
 train, which deletes the shards it consumed; with `benchmark.every_round`, benchmark that round's
-export) -> benchmark (the serving-contract doctor first). Each
+export) -> probe (with `regenerate.selection: acceptance`: the latest export's acceptance per
+cluster, where the next run's regenerate draws its batch) -> benchmark (the serving-contract
+doctor first). Each
 stage is its own Prefect subflow and its own `runs` row, and skips what lineage records as done, so
 running the same pipeline again continues a multi-day run where it stopped; a stage that fails
 leaves every other stage's work committed. Prefect global concurrency limits share the machine:
@@ -23,6 +25,7 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from flows.benchmark import benchmark as benchmark_flow
 from flows.discover import discover as discover_flow
 from flows.extract import extract as extract_flow
+from flows.probe import probe as probe_flow
 from flows.regenerate import regenerate as regenerate_flow, stage_lock
 from flows.runinfo import lineage_run
 from flows.train import train as train_flow
@@ -158,7 +161,7 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
 def _stages(config: PipelineConfig, store: LineageStore, sizes: dict[str, int], summary: PipelineSummary,
             logger) -> None:
     res = config.resources
-    planned = ["discover", "regenerate", "extract+train", "benchmark"]
+    planned = ["discover", "regenerate", "extract+train", "probe", "benchmark"]
     progress = create_progress_artifact(0.0, key="pipeline-progress", description="pipeline: stages done")
 
     def stage(name: str, fn, *args):
@@ -191,8 +194,16 @@ def _stages(config: PipelineConfig, store: LineageStore, sizes: dict[str, int], 
     else:
         skipped("extract+train", "needs both extract and train sections")
     done(3)
-    _benchmark_latest(config, store, sizes, stage, skipped, "benchmark")
+    probe_cfg = config.probe_section()
+    if probe_cfg is None:
+        skipped("probe", "regenerate.selection is uniform and no probe section")
+    else:
+        # The next regenerate (selection: acceptance) draws where this draft accepts least.
+        with held(GPU_LIMIT, 1, sizes, res):
+            stage("probe", probe_flow, probe_cfg)
     done(4)
+    _benchmark_latest(config, store, sizes, stage, skipped, "benchmark")
+    done(5)
 
 
 def _benchmark_latest(config: PipelineConfig, store: LineageStore, sizes: dict[str, int], stage, skipped,

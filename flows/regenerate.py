@@ -31,6 +31,9 @@ from storage.datasets import remove_unregistered
 from storage.lineage import LineageStore
 from tasks.config import RegenerateConfig
 from tasks.regenerate import GenerationSpec, GenerationWriter, import_finished_generations, regenerate_all
+from tasks.selection import choose_batch, selection_table
+
+choose_task = task(choose_batch, name="choose-prompts", cache_policy=NO_CACHE)
 
 
 @dataclass
@@ -120,7 +123,11 @@ def _regenerate(config: RegenerateConfig, store: LineageStore, spec: GenerationS
     writer = GenerationWriter(store, spec, summary.run_id, gen_dir)
     summary.imported = import_task(config, writer, logger)
 
-    pending = store.pending_prompts(spec.params_key, config.retry_failed, config.limit)
+    # Which pending prompts this run sends (all of them without a `limit`): uniform, or where the
+    # latest probe found the draft accepting least (tasks/selection.py).
+    chosen = choose_task(store, spec.params_key, config.retry_failed, config.limit, config.selection,
+                         config.selection_strength)
+    pending = store.prompt_messages([s.prompt_id for s in chosen])
     summary.pending_at_start = len(pending)
     if not pending:
         logger.info("nothing to generate: every prompt has a generation or a recorded failure")
@@ -132,6 +139,13 @@ def _regenerate(config: RegenerateConfig, store: LineageStore, spec: GenerationS
                     len(pending))
         _finish(store, summary)
         return
+    # Why each prompt is sent, stored before it is: lineage answers "why this prompt?" for every generation.
+    store.write_selections(summary.run_id, spec.params_key, [s.row(config.selection) for s in chosen])
+    by_cluster = selection_table(chosen)
+    create_table_artifact(key="regenerate-selection", table=by_cluster,
+                          description=f"regenerate run {summary.run_id}: {config.selection} selection, by cluster")
+    for row in by_cluster if config.selection == "acceptance" else []:
+        logger.info("selection: cluster %s, %d prompt(s): %s", row["cluster"], row["prompts"], row["reason"])
 
     if config.embedded_server is not None:
         from serving.embedded import LlamaCppServer

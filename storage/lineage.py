@@ -26,6 +26,7 @@ from storage.errors import LineageError
 from storage.evaluation import EvaluationReads
 from storage.minhash_index import NearIndexStore
 from storage.reports import LineageReports
+from storage.selection import SelectionStore
 from storage.schema import BENCH_ROWS, GENERATION_ROWS, METRIC_ROWS, PROMPT_ROWS, SAMPLE_ROWS
 
 __all__ = ["LineageError", "LineageStore", "StoreLocking"]
@@ -41,7 +42,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class LineageStore(NearIndexStore, LineageReports, EvaluationReads):
+class LineageStore(NearIndexStore, LineageReports, EvaluationReads, SelectionStore):
     """Every write and stage read of the lineage file (reports: `storage.reports`, `storage.evaluation`)."""
 
     # ------------------------------------------------------------ runs
@@ -189,24 +190,47 @@ class LineageStore(NearIndexStore, LineageReports, EvaluationReads):
 
     # ------------------------------------------------------------ regenerate
 
-    def pending_prompts(self, params_key: str, retry_failed: bool, limit: int | None) -> list[tuple[str, list[dict]]]:
-        """Prompts with no generation under `params_key` (and, unless retrying, no recorded failure); never held-out ones."""
-        if not self.path.exists():
-            return []
+    @staticmethod
+    def _pending(params_key: str, retry_failed: bool) -> tuple[str, list]:
+        """The condition on prompts `p` that regenerate has still to answer under `params_key`, its parameters."""
         skip_failed = "" if retry_failed else (
             "AND NOT EXISTS (SELECT 1 FROM generation_failures f WHERE f.prompt_id = p.prompt_id AND f.params_key = ?)"
         )
-        params = [params_key] + ([] if retry_failed else [params_key])
-        sql = (
-            "SELECT p.prompt_id, p.messages FROM prompts p "
-            "WHERE NOT EXISTS (SELECT 1 FROM generations g WHERE g.prompt_id = p.prompt_id AND g.params_key = ?) "
-            "AND NOT EXISTS (SELECT 1 FROM records r WHERE r.prompt_id = p.prompt_id AND r.outcome = 'heldout') "
-            f"{skip_failed} ORDER BY p.created_at, p.prompt_id"
-        )
+        return ("NOT EXISTS (SELECT 1 FROM generations g WHERE g.prompt_id = p.prompt_id AND g.params_key = ?) "
+                "AND NOT EXISTS (SELECT 1 FROM records r WHERE r.prompt_id = p.prompt_id AND r.outcome = 'heldout') "
+                f"{skip_failed}"), [params_key] + ([] if retry_failed else [params_key])
+
+    def pending_prompts(self, params_key: str, retry_failed: bool, limit: int | None) -> list[tuple[str, list[dict]]]:
+        """Prompts with no generation under `params_key` (and, unless retrying, no recorded failure); never
+        held-out ones; in queue order (created_at, prompt_id)."""
+        if not self.path.exists():
+            return []
+        where, params = self._pending(params_key, retry_failed)
+        sql = f"SELECT p.prompt_id, p.messages FROM prompts p WHERE {where} ORDER BY p.created_at, p.prompt_id"
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
         with self.read() as con:
             return [(pid, msgs) for pid, msgs in con.execute(sql, params).fetchall()]
+
+    def pending_queue(self, params_key: str, retry_failed: bool, tagger: str) -> list[tuple[str, str | None]]:
+        """(prompt id, cluster by `tagger` or None) of every prompt `pending_prompts` would give, in its order."""
+        if not self.path.exists():
+            return []
+        where, params = self._pending(params_key, retry_failed)
+        with self.read() as con:
+            return con.execute(
+                "SELECT p.prompt_id, t.cluster FROM prompts p LEFT JOIN prompt_tags t "
+                f"ON t.prompt_id = p.prompt_id AND t.tagger = ? WHERE {where} ORDER BY p.created_at, p.prompt_id",
+                [tagger] + params).fetchall()
+
+    def prompt_messages(self, prompt_ids: list[str]) -> list[tuple[str, list[dict]]]:
+        """(prompt id, messages) of these stored prompts, in the order given."""
+        if not self.path.exists() or not prompt_ids:
+            return []
+        with self.read() as con:
+            con.register("ids_in", pa.table({"prompt_id": prompt_ids, "pos": list(range(len(prompt_ids)))}))
+            return con.execute("SELECT p.prompt_id, p.messages FROM prompts p JOIN ids_in USING (prompt_id) "
+                               "ORDER BY ids_in.pos").fetchall()
 
     def existing_generation_ids(self, ids: list[str]) -> set[str]:
         if not self.path.exists() or not ids:

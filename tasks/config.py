@@ -222,6 +222,11 @@ class RegenerateConfig(Strict):
     flag_length: bool = Field(default=True, description="Flag finish_reason=length generations.")
     retry_failed: bool = Field(default=False, description="Retry prompts recorded as failed.")
     limit: int | None = Field(default=None, ge=1, description="At most this many prompts this run.")
+    selection: Literal["uniform", "acceptance"] = Field(default="uniform", description=(
+        "Which pending prompts a `limit`ed run sends: `uniform` (queue order) or `acceptance` (more from the "
+        "clusters where the latest probe found the draft accepting least; tasks/selection.py)."))
+    selection_strength: float = Field(default=2.0, ge=0.0, le=8.0, description=(
+        "acceptance: a cluster's batch share is its pool share x (mean acceptance / its acceptance) ** this."))
     write_batch: int = Field(default=64, ge=1, description="Generations per Parquet file / transaction.")
     imports: list[ImportConfig] = Field(default_factory=list)
 
@@ -485,7 +490,20 @@ class BenchConfig(Strict):
         "Start llama-server here and measure the draft on it (tok/s, TTFT, acceptance, lossless, break-even)."))
 
 
-STAGES = ("discover", "regenerate", "extract", "train", "benchmark")
+STAGES = ("discover", "regenerate", "extract", "train", "benchmark", "probe")
+
+
+class ProbeConfig(Strict):
+    """The probe acceptance-aware selection reads: the latest export's acceptance per cluster on held-out
+    prompts (never the benchmark's own), measured after each training round."""
+
+    workspace: str = "runs/demo"
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    per_cluster: int = Field(default=4, ge=1, description="Held-out prompts measured in each cluster.")
+    draft_tokens: int = Field(default=3, ge=1, le=16, description="Chain depth k.")
+    max_new_tokens: int = Field(default=48, ge=4)
+    skip_first: int = Field(default=8, ge=0, description=(
+        "Held-out prompts (in held-out order) left to the benchmark: the benchmark's prompts_per_domain."))
 
 
 class ScheduleConfig(Strict):
@@ -521,6 +539,19 @@ class PipelineConfig(Strict):
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     max_rounds: int | None = Field(default=None, ge=1, description="Extract -> train rounds per pipeline run "
                                    "(default: until every generation is trained on).")
+    probe: ProbeConfig | None = Field(default=None, description=(
+        "After the rounds, the per-cluster probe (default with regenerate.selection: acceptance: on the "
+        "extraction's target, skipping the benchmark's held-out prompts)."))
+
+    def probe_section(self, required: bool = False) -> ProbeConfig | None:
+        """The probe: the configured one, else (when `required` or selection needs one) the default on the
+        benchmark's target, skipping the benchmark's held-out prompts."""
+        if self.probe is not None:
+            return self.probe
+        if not required and (self.regenerate is None or self.regenerate.selection != "acceptance"):
+            return None
+        bench = self.bench_section()
+        return ProbeConfig(workspace=self.workspace, target=bench.target, skip_first=bench.prompts_per_domain)
 
     def bench_section(self) -> BenchConfig:
         """The benchmark section, or its defaults on this workspace and the extraction's target."""
@@ -538,7 +569,7 @@ class PipelineConfig(Strict):
                     data[stage].setdefault("workspace", data.get("workspace", "runs/demo"))
             # training runs the target the shards were extracted from, unless told otherwise
             extract = data.get("extract")
-            for later in ("train", "benchmark"):
+            for later in ("train", "benchmark", "probe"):
                 section = data.get(later)
                 if isinstance(extract, dict) and isinstance(section, dict) and "target" in extract:
                     section.setdefault("target", extract["target"])

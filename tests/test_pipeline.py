@@ -115,7 +115,10 @@ def test_the_whole_pipeline_runs_end_to_end_on_the_embedded_default(finished):
     stages = json.loads(store.query_readonly(
         "SELECT summary FROM runs WHERE flow = 'pipeline' AND state = 'COMPLETED'")[1][0][0])["stages"]
     assert [s["stage"].split(" ")[0] for s in stages] == ["discover", "regenerate"] + ["extract", "train"] * rounds + [
-        "benchmark"]
+        "probe", "benchmark"]
+    # uniform selection reads no probe: the stage says so instead of measuring
+    assert [(s["state"], s["detail"]) for s in stages if s["stage"] == "probe"] == [
+        ("skipped", "regenerate.selection is uniform and no probe section")]
 
     status = _run(config, "status", "--format", "json")
     rows = {r["stage"]: r for r in json.loads(status.stdout)}
