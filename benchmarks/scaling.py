@@ -242,10 +242,10 @@ class Costs:
 
 class Study:
     def __init__(self, cfg, results: Path, ks: list[int], prompts: int, max_new: int, chunk_max: int,
-                 chunk_min: int = 16) -> None:
+                 chunk_min: int = 16, arm: str = MAIN) -> None:
         from storage.lineage import LineageStore
 
-        self.cfg, self.results, self.ks = cfg, results, ks
+        self.cfg, self.results, self.ks, self.arm = cfg, results, ks, arm
         self.prompts, self.max_new, self.chunk_max, self.chunk_min = prompts, max_new, chunk_max, chunk_min
         self.ws = Path(cfg.workspace)
         self.store = LineageStore(self.ws / "lineage.duckdb")
@@ -365,16 +365,16 @@ class Study:
         from flows.extract import extract
         from flows.train import train
 
-        ks = missing_ks(self.done, MAIN, size, self.ks)
+        ks = missing_ks(self.done, self.arm, size, self.ks)
         if not ks:
-            print(f"main {size:,}: measured, skipped", flush=True)
+            print(f"{self.arm} {size:,}: measured, skipped", flush=True)
             return
         t0 = time.monotonic()
         costs = Costs()
         run_name = self.cfg.train.run_name
         n_gen = self.ensure_generations(size, costs)
         if sampled_generations(self.store) > n_gen:
-            print(f"main {size:,}: the draft already holds more data than {size:,} tokens (a larger size was run "
+            print(f"{self.arm} {size:,}: the draft already holds more data than {size:,} tokens (a larger size was run "
                   "first); skipped", flush=True)
             return
         last_remaining = -1
@@ -409,8 +409,8 @@ class Study:
                 "generations": n_gen, "samples": samples, "sample_tokens": tokens, "train_tokens": masked,
                 "trained_positions": trained_positions(self.store, run_name),
                 **costs.rates(lineage_regenerate_rate(self.store)), "wall_s": time.monotonic() - t0}
-        self.record(MAIN, size, measured, info)
-        self.show(MAIN, size)
+        self.record(self.arm, size, measured, info)
+        self.show(self.arm, size)
 
     def control_point(self, size: int, change: dict[str, object] | None = None) -> None:
         """A from-scratch draft on the main arm's first `size` tokens; with `change` (an ablation: dotted

@@ -1,0 +1,333 @@
+"""The selection study (issue 26): acceptance-aware selection against uniform at equal regenerated tokens.
+
+Arms, each its own workspace under the config's (runs/selection/<arm>), each the pipeline's own
+stages as the scaling study's main arm runs them (benchmarks/scaling.py `Study.main_point`: one
+draft, continued round after round; sizes in loss-masked training tokens):
+- `uniform`: `regenerate.selection: uniform`, the queue's head each round;
+- `acceptance`: `regenerate.selection: acceptance`; after each round the probe (flows/probe.py)
+  measures the new draft per cluster on held-out prompts past the benchmark's, and the next round's
+  regenerate draws more where it accepts least. The first round has no probe yet: uniform;
+- `uniform-seed1`: `uniform` with `train.seed: 1`, the noise floor (same data, another seed).
+Every arm discovers the same sources with the same config, so the arms choose from the same
+prompts and are measured on the same held-out chat prompts and HumanEval. Their regenerate runs
+ask one llama-server through a caching proxy (benchmarks/answer_cache.py): a prompt two arms
+choose is answered once, byte for byte the same for both. Regenerated tokens are counted per arm
+from its own lineage, so "equal regenerated tokens" is each arm's own count.
+
+Resumable: every point is one JSON line per (arm, size, k) in `<workspace>/reports/selection.jsonl`
+(the scaling study's results format), and every stage is the pipeline's crash-safe flow; a rerun
+skips what is measured. The report (`--report`, also printed at the end): per size and arm, held-out
+chat and HumanEval acceptance, the ratios to prompt lookup and to the final-state-only draft, the
+arm's regenerated tokens and cluster mix, the noise floor, and the tokens the acceptance arm needs
+to reach the uniform arm's best; the plot goes to `reports/selection.png`.
+
+    nice -n 15 .venv/bin/python benchmarks/selection_study.py --sizes 12500 25000 50000
+    .venv/bin/python benchmarks/selection_study.py --report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+from benchmarks.scaling import Study, trained_positions  # noqa: E402
+from benchmarks.scaling_results import fmt, load_results  # noqa: E402
+
+ARMS = {"uniform": {"selection": "uniform", "seed": None},
+        "acceptance": {"selection": "acceptance", "seed": None},
+        "uniform-seed1": {"selection": "uniform", "seed": 1}}
+DEFAULT_SIZES = [12_500, 25_000, 50_000]
+
+
+# ---------------------------------------------------------------- pure bookkeeping (tested)
+
+def tokens_to_reach(curve: list[tuple[int, float]], goal: float) -> float | None:
+    """The training tokens at which an arm's curve ((size, acceptance), any order) first reaches `goal`,
+    interpolated linearly in log2(size) between measured sizes; None if it never does."""
+    pts = sorted(curve)
+    for i, (size, acc) in enumerate(pts):
+        if acc >= goal:
+            if i == 0:
+                return float(size)
+            (s0, a0) = pts[i - 1]
+            t = (goal - a0) / (acc - a0)
+            return 2 ** (math.log2(s0) + t * (math.log2(size) - math.log2(s0)))
+    return None
+
+
+def quick_config(cfg):
+    """The smoke run's config: its own workspace, short measurements, a small probe."""
+    from tasks.config import PipelineConfig
+
+    data = cfg.model_dump(mode="json")
+    data["workspace"] = "runs/selection-quick"
+    data["discover"]["sources"][0]["limit"] = 3000
+    data["benchmark"].update(prompts_per_domain=4, max_new_tokens=16)
+    data["probe"].update(per_cluster=2, max_new_tokens=16, skip_first=4)
+    data["regenerate"]["embedded_server"]["port"] += 1
+    data["regenerate"]["sampling"]["max_tokens"] = 64
+    return PipelineConfig.model_validate(data)
+
+
+def arm_config(cfg, root: Path, arm: str, proxy_url: str, revision: str, template_id: str):
+    """The study config for one arm: its workspace, the proxy as its server, its selection and seed."""
+    from tasks.config import PipelineConfig
+
+    data = cfg.model_dump(mode="json")
+    ws = str(root / arm)
+    data["workspace"] = ws
+    for stage in ("discover", "regenerate", "extract", "train", "benchmark", "probe"):
+        if data.get(stage) is not None:
+            data[stage]["workspace"] = ws
+    par = data["regenerate"]["embedded_server"]["parallel"]
+    data["regenerate"].update(embedded_server=None, selection=ARMS[arm]["selection"], target_revision=revision,
+                              chat_template_id=template_id,
+                              endpoints=[{"url": proxy_url, "max_concurrency": par, "kind": "llamacpp"}])
+    data["train"]["run_name"] = arm
+    if ARMS[arm]["seed"] is not None:
+        data["train"]["seed"] = ARMS[arm]["seed"]
+    return PipelineConfig.model_validate(data)
+
+
+# ---------------------------------------------------------------- lineage reads of an arm
+
+def arm_data(store) -> dict:
+    """What an arm regenerated: completion tokens, generations, and generations per cluster."""
+    from tasks.domains import TAGGER
+
+    if not store.path.exists():
+        return {}
+    q = lambda sql: store.query_readonly(sql)[1]  # noqa: E731
+    tokens, gens = q("SELECT coalesce(sum(completion_tokens), 0), count(*) FROM generations")[0]
+    mix = dict(q("SELECT coalesce(t.cluster, 'untagged'), count(*) FROM generations g LEFT JOIN prompt_tags t "
+                 f"ON t.prompt_id = g.prompt_id AND t.tagger = '{TAGGER}' GROUP BY 1 ORDER BY 1"))
+    probes = q("SELECT count(DISTINCT probe_id) FROM probe_results")[0][0]
+    return {"regen_completion_tokens": int(tokens), "regen_generations": int(gens), "cluster_mix": mix,
+            "probes": int(probes)}
+
+
+# ---------------------------------------------------------------- report
+
+def report(results: Path, k: int = 3) -> str:
+    rows = [r for r in load_results(results).values() if r["k"] == k]
+    if not rows:
+        return f"no results in {results}"
+    sizes = sorted({r["size"] for r in rows})
+    by = {(r["arm"], r["size"]): r for r in rows}
+    lines = [f"selection study, k = {k} ({results})", "",
+             "| size | arm | held-out chat | x lookup | x final-only | HumanEval | x lookup | regenerated tokens "
+             "| generations | code share |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    ratio = lambda a, b: None if a is None or not b else a / b  # noqa: E731
+    for size in sizes:
+        for arm in ARMS:
+            r = by.get((arm, size))
+            if r is None:
+                continue
+            mix = r.get("cluster_mix") or {}
+            code = mix.get("code", 0) / sum(mix.values()) if mix else None
+            lines.append(
+                f"| {size:,} | {arm} | {fmt(r.get('eagle3_heldout_chat'))} | "
+                f"{fmt(ratio(r.get('eagle3_heldout_chat'), r.get('lookup_heldout_chat')))} | "
+                f"{fmt(ratio(r.get('eagle3_heldout_chat'), r.get('final_heldout_chat')))} | "
+                f"{fmt(r.get('eagle3_humaneval'))} | {fmt(ratio(r.get('eagle3_humaneval'), r.get('lookup_humaneval')))} | "
+                f"{r.get('regen_completion_tokens', 0):,} | {r.get('regen_generations', 0):,} | "
+                f"{'-' if code is None else f'{code:.1%}'} |")
+    lines.append("")
+    for size in sizes:
+        u, s, a = by.get(("uniform", size)), by.get(("uniform-seed1", size)), by.get(("acceptance", size))
+        parts = []
+        for dom in ("heldout_chat", "humaneval"):
+            key = f"eagle3_{dom}"
+            noise = abs(u[key] - s[key]) if u and s and u.get(key) is not None and s.get(key) is not None else None
+            delta = a[key] - u[key] if u and a and u.get(key) is not None and a.get(key) is not None else None
+            parts.append(f"{dom}: acceptance - uniform {fmt(delta, 3)} (noise floor |seed1 - uniform| {fmt(noise, 3)})")
+        lines.append(f"size {size:,}: " + "; ".join(parts))
+    for dom in ("heldout_chat", "humaneval"):
+        key = f"eagle3_{dom}"
+        uni = [(r["size"], r[key]) for (arm, _), r in by.items() if arm == "uniform" and r.get(key) is not None]
+        acc = [(r["size"], r[key]) for (arm, _), r in by.items() if arm == "acceptance" and r.get(key) is not None]
+        if uni and acc:
+            best_size, best = max(uni, key=lambda x: (x[1], -x[0]))
+            need = tokens_to_reach(acc, best)
+            lines.append(f"{dom}: the uniform arm's best {best:.3f} (at {best_size:,} tokens); the acceptance arm "
+                         + ("does not reach it at the sizes measured" if need is None
+                            else f"reaches it at {need:,.0f} tokens ({need / best_size:.0%} of uniform's)"))
+    return "\n".join(lines)
+
+
+def plot(results: Path, out: Path, k: int = 3) -> Path | None:
+    rows = [r for r in load_results(results).values() if r["k"] == k]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, dom, title in zip(axes, ("heldout_chat", "humaneval"), ("held-out chat", "HumanEval")):
+        for arm, style in (("uniform", "o-"), ("acceptance", "s-"), ("uniform-seed1", "x:")):
+            pts = sorted((r["train_tokens"], r[f"eagle3_{dom}"]) for r in rows
+                         if r["arm"] == arm and r.get(f"eagle3_{dom}") is not None)
+            if pts:
+                ax.plot(*zip(*pts), style, label=arm)
+        look = [r.get(f"lookup_{dom}") for r in rows if r.get(f"lookup_{dom}") is not None]
+        if look:
+            ax.axhline(look[0], color="grey", ls="--", label="prompt lookup")
+            ax.axhline(1.3 * look[0] if dom == "heldout_chat" else look[0], color="red", ls=":", lw=1,
+                       label="target (1.3x lookup)" if dom == "heldout_chat" else "target (= lookup)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("training tokens (loss-masked)")
+        ax.set_ylabel(f"acceptance length, k = {k}")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("acceptance-aware selection vs uniform at equal regenerated data")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+# ---------------------------------------------------------------- the run
+
+def run(args: argparse.Namespace) -> None:
+    from flows.prefect_api import start_local_api
+    from flows.probe import probe
+    from serving.embedded import LlamaCppServer, free_port
+    from storage.lineage import LineageStore
+    from tasks.config import load_config
+    from tasks.target import embedded_identity
+
+    cfg = load_config(args.config)
+    if args.quick:
+        cfg = quick_config(cfg)
+    root = Path(cfg.workspace)
+    results = root / "reports" / "selection.jsonl"
+    home = Path(tempfile.mkdtemp(prefix="eagle3-selection-prefect-"))
+    port = free_port()
+    os.environ["PREFECT_HOME"] = str(home)
+    os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
+    _, api = start_local_api(home, port)
+    es = cfg.regenerate.embedded_server
+    gguf, revision, template_id = embedded_identity(es.gguf)
+    proxy_port = free_port()
+    proxy = None
+    shared: dict = {}
+    started = time.monotonic()
+    try:
+        with LlamaCppServer(gguf=gguf, port=es.port, n_ctx=es.n_ctx, n_threads=es.n_threads, parallel=es.parallel,
+                            log_path=root / "logs" / "llama-server.log") as server:
+            proxy = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "answer_cache.py"), "--upstream",
+                                      server.base_url, "--port", str(proxy_port), "--cache", str(root / "answers")],
+                                     stdout=subprocess.PIPE, text=True)
+            proxy_url = f"http://127.0.0.1:{proxy_port}"
+            _wait_for(proxy_url)
+            arms = [a for a in args.arms]
+            studies = {}
+            for arm in arms:
+                acfg = arm_config(cfg, root, arm, proxy_url, revision, template_id)
+                bench = acfg.bench_section()
+                st = Study(acfg, results, args.ks, bench.prompts_per_domain, bench.max_new_tokens, args.chunk,
+                           args.chunk_min, arm=arm)
+                # One target and one set of greedy paths for every arm: the same held-out prompts.
+                st.paths = shared.setdefault("paths", {})
+                st._lookup = shared.setdefault("lookup", {})
+                st.ensure_discovered()
+                studies[arm] = st
+            print(f"selection study in {root}: arms {arms}, sizes {args.sizes}, k {args.ks}; "
+                  f"{len(load_results(results))} point(s) already measured", flush=True)
+            # The comparison first (uniform and acceptance, size by size), the noise floor after it.
+            order = [(size, arm) for size in args.sizes for arm in arms if ARMS[arm]["seed"] is None]
+            order += [(size, arm) for arm in arms if ARMS[arm]["seed"] is not None for size in args.sizes]
+            for size, arm in order:
+                st = studies[arm]
+                if "target" in shared:
+                    st._target = shared["target"]
+                st.main_point(size)
+                if st._target is not None:
+                    shared["target"] = st._target
+                key = f"{arm}/{size}/k{args.ks[0]}"
+                row = load_results(results).get(key)
+                if row is not None and "cluster_mix" not in row:
+                    _annotate(results, row, arm_data(LineageStore(Path(st.cfg.workspace) / "lineage.duckdb")))
+                if ARMS[arm]["selection"] == "acceptance":
+                    # the next round's selection reads this round's draft, measured per cluster
+                    p = probe(st.cfg.probe_section(required=True))
+                    print(f"{arm} {size:,}: probe {p.probe_id}: " + ", ".join(
+                        f"{r['cluster']} {fmt(r['acceptance'])} ({r['prompts']})" for r in p.rows), flush=True)
+                print(f"{arm} {size:,}: trained positions {trained_positions(st.store, arm):,}", flush=True)
+    finally:
+        if proxy is not None:
+            proxy.terminate()
+            out, _ = proxy.communicate(timeout=10)
+            print(f"answer cache: {out.strip()}", flush=True)
+        if api is not None:
+            api.terminate()
+    print(f"\nstudy wall time this run: {time.monotonic() - started:.0f} s\n")
+
+
+def _annotate(results: Path, row: dict, extra: dict) -> None:
+    """Append the point again with the arm's data (the last line of a key wins in load_results)."""
+    from benchmarks.scaling_results import append_result
+
+    append_result(results, {**row, **extra})
+
+
+def _wait_for(url: str, timeout: float = 30.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the answer cache at {url} did not come up")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", type=Path, default=ROOT / "benchmarks" / "selection.yaml")
+    ap.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES)
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--ks", type=int, nargs="+", default=[3])
+    ap.add_argument("--chunk", type=int, default=400, help="most prompts per regenerate call")
+    ap.add_argument("--chunk-min", type=int, default=16)
+    ap.add_argument("--report", action="store_true", help="only print the report and draw the plot")
+    ap.add_argument("--quick", action="store_true", help="smoke run: runs/selection-quick, sizes 1500 3000")
+    args = ap.parse_args()
+    from tasks.config import load_config
+
+    cfg = load_config(args.config)
+    if args.quick:
+        cfg = quick_config(cfg)
+        args.sizes = [1500, 3000] if args.sizes == DEFAULT_SIZES else args.sizes
+        args.chunk_min = 4
+    results = Path(cfg.workspace) / "reports" / "selection.jsonl"
+    if not args.report:
+        run(args)
+    print(report(results, args.ks[0]))
+    png = plot(results, results.parent / "selection.png", args.ks[0])
+    if png:
+        print(png)
+
+
+if __name__ == "__main__":
+    main()

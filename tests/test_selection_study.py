@@ -1,0 +1,87 @@
+"""The selection study's bookkeeping (benchmarks/selection_study.py) and the answer cache it runs arms
+through (benchmarks/answer_cache.py, a real process on loopback in front of a scripted server)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from benchmarks.scaling_results import append_result
+from benchmarks.selection_study import ARMS, arm_config, report, tokens_to_reach
+from serving.embedded import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_tokens_to_reach_interpolates_in_log_size_and_says_when_never():
+    curve = [(25_000, 1.40), (12_500, 1.30), (50_000, 1.60)]
+    assert tokens_to_reach(curve, 1.30) == 12_500
+    assert tokens_to_reach(curve, 1.50) == pytest.approx(2 ** ((15 + 16) / 2) * 25_000 / 2 ** 15, rel=1e-9)
+    assert tokens_to_reach(curve, 1.35) == pytest.approx(12_500 * 2 ** 0.5)
+    assert tokens_to_reach(curve, 1.61) is None
+    assert tokens_to_reach([(10_000, 2.0)], 1.5) == 10_000
+
+
+def test_each_arm_gets_its_workspace_selection_seed_and_the_proxy():
+    from tasks.config import load_config
+
+    cfg = load_config(ROOT / "benchmarks" / "selection.yaml")
+    arms = {a: arm_config(cfg, Path("/tmp/sel"), a, "http://127.0.0.1:1", "rev", "tmpl") for a in ARMS}
+    for arm, c in arms.items():
+        assert {c.workspace, c.regenerate.workspace, c.extract.workspace, c.train.workspace,
+                c.probe.workspace} == {f"/tmp/sel/{arm}"}
+        assert c.regenerate.embedded_server is None and c.regenerate.endpoints[0].url == "http://127.0.0.1:1"
+        assert c.regenerate.selection == ARMS[arm]["selection"] and c.train.run_name == arm
+        assert (c.regenerate.target_revision, c.regenerate.chat_template_id) == ("rev", "tmpl")
+    assert arms["uniform-seed1"].train.seed == 1 and arms["uniform"].train.seed == arms["acceptance"].train.seed != 1
+    # everything that decides the data is the same in every arm: the comparison is the selection alone
+    same = lambda c: (c.discover.model_dump(exclude={"workspace"}), c.extract.model_dump(exclude={"workspace"}))  # noqa: E731
+    assert same(arms["uniform"]) == same(arms["acceptance"]) == same(arms["uniform-seed1"])
+
+
+def test_the_report_compares_arms_with_the_noise_floor(tmp_path):
+    results = tmp_path / "selection.jsonl"
+    for arm, size, chat, he in (("uniform", 12_500, 1.30, 1.10), ("uniform", 25_000, 1.40, 1.12),
+                                ("acceptance", 12_500, 1.30, 1.10), ("acceptance", 25_000, 1.45, 1.20),
+                                ("uniform-seed1", 12_500, 1.31, 1.09)):
+        append_result(results, {"arm": arm, "size": size, "k": 3, "train_tokens": size, "eagle3_heldout_chat": chat,
+                                "lookup_heldout_chat": 1.2, "final_heldout_chat": 1.25, "eagle3_humaneval": he,
+                                "lookup_humaneval": 1.3, "regen_completion_tokens": size, "regen_generations": 10,
+                                "cluster_mix": {"code": 2, "general": 8}})
+    text = report(results)
+    assert "| 25,000 | acceptance | 1.45 | 1.21 | 1.16 | 1.20 | 0.92 | 25,000 | 10 | 20.0% |" in text
+    assert "size 12,500: heldout_chat: acceptance - uniform 0.000 (noise floor |seed1 - uniform| 0.010)" in text
+    assert "heldout_chat: the uniform arm's best 1.400 (at 25,000 tokens); the acceptance arm reaches it at" in text
+
+
+def test_the_answer_cache_answers_a_repeated_greedy_request_once(scripted, tmp_path):
+    upstream = scripted()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "answer_cache.py"), "--upstream", upstream,
+                             "--port", str(port), "--cache", str(tmp_path / "cache")], stdout=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(100):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        req = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8,
+               "temperature": 0}
+        first = httpx.post(url + "/v1/chat/completions", json=req, timeout=10)
+        again = httpx.post(url + "/v1/chat/completions", json=req, timeout=10)
+        sampled = httpx.post(url + "/v1/chat/completions", json={**req, "temperature": 0.7}, timeout=10)
+        assert first.status_code == again.status_code == sampled.status_code == 200
+        assert first.content == again.content
+        assert len(list((tmp_path / "cache").rglob("*.json"))) == 1  # the sampled request was not cached
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=10)
+    assert json.loads(out.strip().splitlines()[-1]) == {"hits": 1, "misses": 1, "passed": 2}  # /health + sampled
