@@ -6,6 +6,7 @@ the cache, byte for byte the same, so arms differ only in which prompts they cho
 answer is computed once. What is cached: POST /completion and /v1/chat/completions whose request
 asks for greedy decoding (temperature 0), keyed by path and body. Everything else passes through.
 A cached answer is written to a temporary file and renamed: a killed proxy leaves no torn entry.
+`pack` / `unpack` (and `--seed`) carry the cache from one machine to the next as one gzipped file.
 
     .venv/bin/python benchmarks/answer_cache.py --upstream http://127.0.0.1:8090 --port 8091 --cache runs/selection/answers
 """
@@ -110,14 +111,51 @@ def make_handler(upstream: str, cache: Path, counters: Counters):
     return Handler
 
 
+def pack(cache: Path, archive: Path) -> int:
+    """Every cached answer into one gzipped JSON-lines file (sorted: the same cache packs the same),
+    written to a temporary name and renamed; returns how many. The study keeps its answers in git
+    this way: `runs/` does not outlive a machine, and the answers are what costs hours."""
+    import gzip
+
+    entries = sorted(cache.glob("*/*.json"))
+    tmp = archive.with_name(archive.name + ".tmp")
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    lines = "".join(json.dumps({"key": e.stem, "answer": e.read_text()}) + "\n" for e in entries)
+    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0, filename="") as f:
+        f.write(lines.encode())  # mtime 0, no name: the same answers give the same bytes (a clean git diff)
+    os.replace(tmp, archive)
+    return len(entries)
+
+
+def unpack(archive: Path, cache: Path) -> int:
+    """The entries of a packed file that the cache lacks; returns how many were added."""
+    import gzip
+
+    added = 0
+    with gzip.open(archive, "rt") as f:
+        for line in f:
+            row = json.loads(line)
+            entry = cache / row["key"][:2] / f"{row['key']}.json"
+            if not entry.exists():
+                entry.parent.mkdir(parents=True, exist_ok=True)
+                tmp = entry.with_suffix(".unpack.tmp")
+                tmp.write_text(row["answer"])
+                os.replace(tmp, entry)
+                added += 1
+    return added
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--upstream", required=True, help="the baseline server's base URL")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--cache", required=True, help="folder of cached answers")
+    ap.add_argument("--seed", type=Path, help="a packed file (pack()) whose answers the cache starts with")
     args = ap.parse_args(argv)
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
+    if args.seed is not None and args.seed.exists():
+        print(json.dumps({"seeded": unpack(args.seed, cache)}), flush=True)
     counters = Counters()
     server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(args.upstream, cache, counters))
     server.daemon_threads = True

@@ -16,7 +16,10 @@ from its own lineage, so "equal regenerated tokens" is each arm's own count.
 
 Resumable: every point is one JSON line per (arm, size, k) in `<workspace>/reports/selection.jsonl`
 (the scaling study's results format), and every stage is the pipeline's crash-safe flow; a rerun
-skips what is measured. The report (`--report`, also printed at the end): per size and arm, held-out
+skips what is measured. Across machines (`runs/` does not move): the answers are packed into
+benchmarks/results/selection-answers.jsonl.gz and the points copied to
+benchmarks/results/selection.jsonl at the end of a run; a run on a fresh machine starts its cache
+from the packed answers, so it retrains and remeasures, but regenerates only what is new. The report (`--report`, also printed at the end): per size and arm, held-out
 chat and HumanEval acceptance, the ratios to prompt lookup and to the final-state-only draft, the
 arm's regenerated tokens and cluster mix, the noise floor, and the tokens the acceptance arm needs
 to reach the uniform arm's best; the plot goes to `reports/selection.png`.
@@ -31,6 +34,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -49,6 +53,9 @@ ARMS = {"uniform": {"selection": "uniform", "seed": None},
         "acceptance": {"selection": "acceptance", "seed": None},
         "uniform-seed1": {"selection": "uniform", "seed": 1}}
 DEFAULT_SIZES = [12_500, 25_000, 50_000]
+# The target's answers the arms asked for, kept in git: a later session, on another machine, starts
+# its cache with them and regenerates only what no earlier session asked.
+ANSWERS = ROOT / "benchmarks" / "results" / "selection-answers.jsonl.gz"
 
 
 # ---------------------------------------------------------------- pure bookkeeping (tested)
@@ -233,8 +240,8 @@ def run(args: argparse.Namespace) -> None:
         with LlamaCppServer(gguf=gguf, port=es.port, n_ctx=es.n_ctx, n_threads=es.n_threads, parallel=es.parallel,
                             log_path=root / "logs" / "llama-server.log") as server:
             proxy = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "answer_cache.py"), "--upstream",
-                                      server.base_url, "--port", str(proxy_port), "--cache", str(root / "answers")],
-                                     stdout=subprocess.PIPE, text=True)
+                                      server.base_url, "--port", str(proxy_port), "--cache", str(root / "answers"),
+                                      "--seed", str(ANSWERS)], stdout=subprocess.PIPE, text=True)
             proxy_url = f"http://127.0.0.1:{proxy_port}"
             _wait_for(proxy_url)
             arms = [a for a in args.arms]
@@ -276,6 +283,12 @@ def run(args: argparse.Namespace) -> None:
             proxy.terminate()
             out, _ = proxy.communicate(timeout=10)
             print(f"answer cache: {out.strip()}", flush=True)
+            if not args.quick:  # the answers and the points outlive this machine (runs/ does not)
+                from benchmarks.answer_cache import pack
+
+                print(f"{pack(root / 'answers', ANSWERS)} answers packed into {ANSWERS}", flush=True)
+                if results.exists():
+                    shutil.copyfile(results, ROOT / "benchmarks" / "results" / "selection.jsonl")
         if api is not None:
             api.terminate()
     print(f"\nstudy wall time this run: {time.monotonic() - started:.0f} s\n")

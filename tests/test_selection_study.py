@@ -85,3 +85,22 @@ def test_the_answer_cache_answers_a_repeated_greedy_request_once(scripted, tmp_p
         proc.terminate()
         out, _ = proc.communicate(timeout=10)
     assert json.loads(out.strip().splitlines()[-1]) == {"hits": 1, "misses": 1, "passed": 2}  # /health + sampled
+
+
+def test_a_packed_cache_seeds_another_machines_cache_with_the_same_answers(tmp_path):
+    from benchmarks.answer_cache import pack, unpack
+
+    cache = tmp_path / "a"
+    for key, answer in (("ab12", '{"content": "x"}'), ("cd34", '{"content": "y"}')):
+        (cache / key[:2]).mkdir(parents=True)
+        (cache / key[:2] / f"{key}.json").write_text(answer)
+    archive = tmp_path / "answers.jsonl.gz"
+    assert pack(cache, archive) == 2
+    other = tmp_path / "b"
+    (other / "cd").mkdir(parents=True)
+    (other / "cd" / "cd34.json").write_text('{"content": "y"}')
+    assert unpack(archive, other) == 1 and unpack(archive, other) == 0  # only what it lacks
+    assert (other / "ab" / "ab12.json").read_text() == '{"content": "x"}'
+    before = archive.read_bytes()
+    pack(cache, archive)
+    assert archive.read_bytes() == before  # the same cache packs the same bytes
