@@ -169,9 +169,15 @@ def report(results: Path, k: int = 3) -> str:
         if uni and acc:
             best_size, best = max(uni, key=lambda x: (x[1], -x[0]))
             need = tokens_to_reach(acc, best)
+            seed = by.get(("uniform-seed1", best_size))
+            noise = abs(seed[key] - best) if seed and seed.get(key) is not None else None
+            gap = max((a for size, a in acc if size == best_size), default=None)
+            caveat = ("" if noise is None or gap is None or abs(gap - best) > noise else
+                      f"; but at {best_size:,} the arms differ by {abs(gap - best):.3f}, within the noise floor "
+                      f"{noise:.3f}: not an effect")
             lines.append(f"{dom}: the uniform arm's best {best:.3f} (at {best_size:,} tokens); the acceptance arm "
                          + ("does not reach it at the sizes measured" if need is None
-                            else f"reaches it at {need:,.0f} tokens ({need / best_size:.0%} of uniform's)"))
+                            else f"reaches it at {need:,.0f} tokens ({need / best_size:.0%} of uniform's)") + caveat)
     return "\n".join(lines)
 
 
