@@ -31,7 +31,6 @@ to reach the uniform arm's best; the plot goes to `reports/selection.png`.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
