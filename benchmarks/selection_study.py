@@ -249,7 +249,7 @@ def run(args: argparse.Namespace) -> None:
                                       "--seed", str(ANSWERS)], stdout=subprocess.PIPE, text=True)
             proxy_url = f"http://127.0.0.1:{proxy_port}"
             _wait_for(proxy_url)
-            arms = [a for a in args.arms]
+            arms = list(args.arms)
             studies = {}
             for arm in arms:
                 acfg = arm_config(cfg, root, arm, proxy_url, revision, template_id)

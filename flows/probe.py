@@ -51,7 +51,7 @@ def _probe(config: ProbeConfig, store: LineageStore, run_id: str, logger) -> Pro
     already = store.probed(row["path"], TAGGER)
     if already:
         summary.skipped = f"export {row['path']} already probed ({already})"
-        summary.probe_id, summary.rows = already, store.latest_probe(TAGGER)
+        summary.probe_id, summary.rows = already, store.latest_probe(TAGGER, already)  # that probe's, not a newer one's
         logger.info(summary.skipped)
         return summary
     sets = probe_sets(store.heldout_tagged(TAGGER), config.skip_first, config.per_cluster)

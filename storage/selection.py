@@ -51,16 +51,6 @@ class SelectionStore:
                 "WHERE t.tagger = ? AND NOT EXISTS (SELECT 1 FROM records r WHERE r.prompt_id = p.prompt_id "
                 "AND r.outcome = 'heldout') GROUP BY t.cluster", [tagger]).fetchall())
 
-    def prompt_clusters(self, prompt_ids: list[str], tagger: str) -> dict[str, str]:
-        """Each of these prompts' cluster by `tagger` (untagged ones left out)."""
-        if not self.path.exists() or not prompt_ids:
-            return {}
-        with self.read() as con:
-            con.register("ids_in", pa.table({"prompt_id": prompt_ids}))
-            return dict(con.execute(
-                "SELECT t.prompt_id, t.cluster FROM prompt_tags t JOIN ids_in USING (prompt_id) WHERE t.tagger = ?",
-                [tagger]).fetchall())
-
     def heldout_tagged(self, tagger: str) -> list[tuple[str, list[dict], str]]:
         """(prompt id, messages, cluster) of every held-out prompt `tagger` tagged, in held-out order
         (the order `heldout_prompts` gives, so its first N are the benchmark's)."""
@@ -86,14 +76,14 @@ class SelectionStore:
                 con.execute(f"INSERT INTO probe_results ({', '.join(cols)}, measured_at) VALUES "
                             f"({', '.join('?' * len(cols))}, ?) ON CONFLICT DO NOTHING", [r[c] for c in cols] + [now])
 
-    def latest_probe(self, tagger: str) -> list[dict]:
-        """The newest probe's rows by `tagger` (every cluster it measured); [] before any probe."""
+    def latest_probe(self, tagger: str, probe_id: str | None = None) -> list[dict]:
+        """The newest probe's rows by `tagger` (every cluster it measured), or probe `probe_id`'s; [] before any."""
         if not self.path.exists():
             return []
         with self.read() as con:
             res = con.execute(
-                "SELECT * FROM probe_results WHERE probe_id = (SELECT probe_id FROM probe_results WHERE tagger = ? "
-                "ORDER BY measured_at DESC, probe_id LIMIT 1) ORDER BY cluster", [tagger])
+                "SELECT * FROM probe_results WHERE probe_id = coalesce(?, (SELECT probe_id FROM probe_results "
+                "WHERE tagger = ? ORDER BY measured_at DESC, probe_id LIMIT 1)) ORDER BY cluster", [probe_id, tagger])
             cols = [d[0] for d in res.description]
             return [dict(zip(cols, r)) for r in res.fetchall()]
 
