@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import os
 import random
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,10 +30,24 @@ def _now() -> datetime:
     return datetime.now(timezone.utc)
 
 
+# DuckDB's Python package shares one database instance between the connections a process opens
+# on the same file. Opening and closing such connections from two threads at once can leave a
+# new connection without the package's Arrow scan: `register` then fails with "Table Function
+# with name python_arrow_scan does not exist" (duckdb 2.0.1; about 1 in 1,000 cycles with two
+# threads reading, never in 60,000 with this lock). A thread that polls the store while a flow
+# reads it did exactly that in CI. Opening and closing take milliseconds, so one lock suffices.
+_OPEN_CLOSE = threading.Lock()
+
+
 @dataclass
 class StoreLocking:
     lock_timeout_s: float = 600.0
     open_retry_s: float = 120.0
+
+
+def _close(con: duckdb.DuckDBPyConnection) -> None:
+    with _OPEN_CLOSE:
+        con.close()
 
 
 class DuckDBFile:
@@ -76,7 +91,8 @@ class DuckDBFile:
         delay = 0.01
         while True:
             try:
-                return duckdb.connect(str(self.path), read_only=read_only)
+                with _OPEN_CLOSE:
+                    return duckdb.connect(str(self.path), read_only=read_only)
             except duckdb.IOException as e:
                 if "lock" not in str(e).lower() or time.monotonic() > deadline:
                     raise
@@ -100,7 +116,7 @@ class DuckDBFile:
                     con.execute("ROLLBACK")
                     raise
             finally:
-                con.close()
+                _close(con)
 
     @contextmanager
     def read(self) -> Iterator[duckdb.DuckDBPyConnection]:
@@ -111,7 +127,7 @@ class DuckDBFile:
             try:
                 yield con
             finally:
-                con.close()
+                _close(con)
 
     def _migrate(self, con: duckdb.DuckDBPyConnection) -> None:
         con.execute(
