@@ -24,6 +24,7 @@ import pyarrow as pa
 from storage.connection import StoreLocking, _now
 from storage.errors import LineageError
 from storage.evaluation import EvaluationReads
+from storage.exact_index import ExactIndexStore
 from storage.minhash_index import NearIndexStore
 from storage.reports import LineageReports
 from storage.selection import SelectionStore
@@ -42,7 +43,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class LineageStore(NearIndexStore, LineageReports, EvaluationReads, SelectionStore):
+class LineageStore(NearIndexStore, ExactIndexStore, LineageReports, EvaluationReads, SelectionStore):
     """Every write and stage read of the lineage file (reports: `storage.reports`, `storage.evaluation`)."""
 
     # ------------------------------------------------------------ runs
@@ -90,57 +91,6 @@ class LineageStore(NearIndexStore, LineageReports, EvaluationReads, SelectionSto
         with self.read() as con:
             return {k for (k,) in con.execute("SELECT record_key FROM records WHERE source = ?", [source]).fetchall()}
 
-    def existing_prompt_ids(self, prompt_ids: list[str]) -> set[str]:
-        if not self.path.exists() or not prompt_ids:
-            return set()
-        with self.read() as con:
-            con.register("ids_in", pa.table({"prompt_id": prompt_ids}))
-            rows = con.execute("SELECT DISTINCT p.prompt_id FROM prompts p JOIN ids_in USING (prompt_id)").fetchall()
-        return {r[0] for r in rows}
-
-    def duplicate_chain_targets(self, prompt_ids: list[str]) -> dict[str, tuple[str, float | None]]:
-        """Prompt ids (not stored as prompts) that earlier records were duplicates with, mapped to the
-        stored kept prompt their chain ends at and the similarity recorded on the way.
-
-        Follows `duplicate_of` through earlier duplicate records until it reaches a stored prompt, so
-        rows written before chains were resolved at decision time still lead to a kept prompt. An id
-        whose chain ends nowhere is left out: its record then goes through near-dedupe as new.
-        """
-        if not prompt_ids or not self.path.exists():
-            return {}
-        resolved: dict[str, tuple[str, float | None]] = {}
-        with self.read() as con:
-            # start id -> (id reached, lowest similarity on the way); one step a round, cycles cut at 32.
-            frontier = {p: (p, None) for p in prompt_ids}
-            for _ in range(32):
-                if not frontier:
-                    break
-                con.register("ids_in", pa.table({"prompt_id": sorted({cur for cur, _ in frontier.values()})}))
-                rows = con.execute(
-                    "SELECT r.prompt_id, r.duplicate_of, r.similarity, p.prompt_id IS NOT NULL FROM records r "
-                    "JOIN ids_in USING (prompt_id) LEFT JOIN prompts p ON p.prompt_id = r.duplicate_of "
-                    "WHERE r.outcome IN ('exact_duplicate', 'near_duplicate') AND r.duplicate_of IS NOT NULL "
-                    "AND r.duplicate_of <> r.prompt_id "
-                    "ORDER BY r.recorded_at, r.source, r.record_key"
-                ).fetchall()
-                con.unregister("ids_in")
-                step: dict[str, tuple[str, float | None, bool]] = {}
-                for pid, dup, sim, is_kept in rows:
-                    if pid not in step or (is_kept and not step[pid][2]):  # the first, or the first to a kept prompt
-                        step[pid] = (dup, sim, bool(is_kept))
-                nxt = {}
-                for start, (cur, sim) in frontier.items():
-                    if cur not in step:
-                        continue
-                    dup, s, is_kept = step[cur]
-                    sim = s if sim is None else sim if s is None else min(sim, s)
-                    if is_kept:
-                        resolved[start] = (dup, sim)
-                    else:
-                        nxt[start] = (dup, sim)
-                frontier = nxt
-        return resolved
-
     # ------------------------------------------------------------ discover: writes
 
     def write_discover_batch(
@@ -156,10 +106,13 @@ class LineageStore(NearIndexStore, LineageReports, EvaluationReads, SelectionSto
         a crash adds nothing twice.
         """
         with self.write() as con:
-            self._insert_discover(con, run_id, _now(), records, prompts, minhash)
+            n_records, inserted = self._insert_discover(con, run_id, _now(), records, prompts, minhash)
+        self.discover_batch_written(sorted(inserted), records, n_records)
 
     def _insert_discover(self, con, run_id: str, now: datetime, records: list[dict], prompts: list[dict],
-                         minhash: tuple[str, list[str], np.ndarray, np.ndarray] | None) -> None:
+                         minhash: tuple[str, list[str], np.ndarray, np.ndarray] | None) -> tuple[int, set[str]]:
+        """Returns how many outcome rows and which prompts this transaction inserted."""
+        n_records = 0
         if records:
             # Built column by column: a dict per row through from_pylist was a third of the write at 10M records.
             columns = {k: [r[k] for r in records] for k in records[0]}
@@ -167,10 +120,10 @@ class LineageStore(NearIndexStore, LineageReports, EvaluationReads, SelectionSto
             con.register("rec_in", pa.table({**columns, "run_id": pa.repeat(run_id, len(records)),
                                              "recorded_at": pa.repeat(pa.scalar(now, pa.timestamp("us", tz="UTC")),
                                                                       len(records))}))
-            con.execute(
+            (n_records,), = con.execute(
                 "INSERT INTO records SELECT source, record_key, native_id, outcome, reason, prompt_id, "
                 "duplicate_of, eval_item, similarity, run_id, recorded_at FROM rec_in ON CONFLICT DO NOTHING"
-            )
+            ).fetchall()
         inserted: set[str] = set()
         if prompts:
             columns = {k: [p[k] for p in prompts] for k in PROMPT_ROWS.names if k not in ("run_id", "created_at")}
@@ -187,6 +140,7 @@ class LineageStore(NearIndexStore, LineageReports, EvaluationReads, SelectionSto
             params, ids, sig, keys = minhash
             keep = [k for k, p in enumerate(ids) if p in inserted]
             self._insert_minhash(con, params, [ids[k] for k in keep], sig[keep], keys[keep])
+        return n_records, inserted
 
     # ------------------------------------------------------------ regenerate
 

@@ -131,8 +131,9 @@ class PreparedBatch:
     records: list[RawRecord]
     rows: list[dict | None]
     candidates: list[tuple[int, Prompt]]
-    signed: dict[str, int]  # prompt id -> its row in `sig`
+    signed: dict[str, int]  # prompt id -> its row in `sig` and `keys`
     sig: np.ndarray | None
+    keys: np.ndarray | None  # LSH band keys of `sig`
 
 
 def prepare_batch(records: list[RawRecord], formats: dict[str, tuple[str, str, str]], near: NearDedupeConfig,
@@ -161,7 +162,7 @@ def prepare_batch(records: list[RawRecord], formats: dict[str, tuple[str, str, s
         candidates = clean
 
     signed: dict[str, int] = {}
-    sig = None
+    sig = keys = None
     if near.enabled:
         # A signature depends on its own text only, so signing every text's first record now gives
         # the signatures of exactly those step 3 leaves for step 4, whatever the store holds.
@@ -172,7 +173,8 @@ def prepare_batch(records: list[RawRecord], formats: dict[str, tuple[str, str, s
                 texts.append(p.text)
         if texts:
             sig = signatures(texts, near.num_perm, near.ngram, near.shingle)
-    return PreparedBatch(records, rows, candidates, signed, sig)
+            keys = band_keys(sig, *lsh_params(near.threshold, near.num_perm))
+    return PreparedBatch(records, rows, candidates, signed, sig, keys)
 
 
 def resolve_batch(prepared: PreparedBatch, store: LineageStore, near: NearDedupeConfig,
@@ -180,8 +182,7 @@ def resolve_batch(prepared: PreparedBatch, store: LineageStore, near: NearDedupe
     """Steps 3-6 of the order: everything that depends on what the store already holds."""
     records, rows, candidates = prepared.records, prepared.rows, prepared.candidates
     batch_ids = sorted({p.prompt_id for _, p in candidates})
-    stored = store.existing_prompt_ids(batch_ids)
-    earlier = store.duplicate_chain_targets([p for p in batch_ids if p not in stored])
+    stored, earlier = store.exact_matches(batch_ids)
     first_seen: set[str] = set()
     unique: list[tuple[int, Prompt]] = []
     twins: list[tuple[int, Prompt]] = []  # exact duplicates of an earlier record of this batch
@@ -206,9 +207,8 @@ def resolve_batch(prepared: PreparedBatch, store: LineageStore, near: NearDedupe
     minhash = None
     if near.enabled and unique:
         params = minhash_params_key(near)
-        bands, band_rows = lsh_params(near.threshold, near.num_perm)
-        sig = prepared.sig[[prepared.signed[p.prompt_id] for _, p in unique]]
-        keys = band_keys(sig, bands, band_rows)
+        rows_of = [prepared.signed[p.prompt_id] for _, p in unique]
+        sig, keys = prepared.sig[rows_of], prepared.keys[rows_of]
         prior_pairs, prior_sig, prior_ids = _prior_candidates(store, params, keys, near.num_perm)
         result = cluster(sig, keys, near.threshold, prior_pairs, prior_sig)
         n = len(unique)

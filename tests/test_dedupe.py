@@ -303,9 +303,9 @@ class _SlowWriteStore(LineageStore):
         super().write_discover_batch(run_id, records, prompts, minhash)
         self.log.append(("write end", n))
 
-    def existing_prompt_ids(self, prompt_ids):
+    def exact_matches(self, prompt_ids):
         self.log.append(("resolve", self.writes + 1))
-        return super().existing_prompt_ids(prompt_ids)
+        return super().exact_matches(prompt_ids)
 
 
 def test_a_batch_is_resolved_only_after_the_previous_write_committed_and_prepared_during_it(tmp_path, monkeypatch):
