@@ -12,11 +12,14 @@ side: the SQL that loads it and the check that it is current. Promises:
 - `discover_batch_written` is told of each committed discover batch by the writer, so a process
   that is the store's only writer never reloads: at 10M records the two joins it replaces
   scanned every stored prompt and record for each batch.
+- `check=False` lookups, once the index is loaded, read nothing from the store, so they run while this process's own write
+  holds it; their caller then asks `exact_index_current`, which is False if anyone else wrote.
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
 
 import numpy as np
 import pyarrow as pa
@@ -97,11 +100,21 @@ class _SortedKeys:
         return sum(len(r) for r in self.runs)
 
 
+def chain_rows(records: list[dict]) -> dict[str, tuple[str, float | None]]:
+    """The chain each duplicate row of a batch starts, as `duplicate_chain_targets` reads it from
+    the store: a duplicate naming another text; the first row for each text."""
+    chains: dict[str, tuple[str, float | None]] = {}
+    for r in records:
+        if r["outcome"] in _DUPLICATE and r["duplicate_of"] is not None and r["duplicate_of"] != r["prompt_id"]:
+            chains.setdefault(r["prompt_id"], (r["duplicate_of"], r["similarity"]))
+    return chains
+
+
 class ExactIndex:
     """What this process knows of the store for exact dedupe, and the row counts that knowledge covers."""
 
-    def __init__(self, n_prompts: int, n_records: int):
-        self.n_prompts, self.n_records = n_prompts, n_records
+    def __init__(self, n_prompts: int, n_records: int, n_heldout: int):
+        self.n_prompts, self.n_records, self.n_heldout = n_prompts, n_records, n_heldout
         self.stored = _SortedKeys()
         # prompt id (not stored) of an earlier duplicate record -> (stored prompt its chain ends at, similarity)
         self.chains: dict[str, tuple[str, float | None]] = {}
@@ -117,45 +130,99 @@ class ExactIndex:
     def add_batch(self, prompt_ids: list[str], records: list[dict], n_records: int) -> bool:
         """A committed batch: the prompts it inserted, its outcome rows, how many of those it inserted.
 
-        False when a duplicate row names a prompt that is not stored (rows as old code wrote them):
-        its chain is the store's to follow, and the caller drops the index.
+        False when the index cannot account for it and the caller drops it: some rows were already
+        stored (a replay), or a duplicate names a prompt that is not stored (rows as old code wrote
+        them, whose chain is the store's to follow).
         """
+        if n_records != len(records):
+            return False
         self.stored.add(id_keys(prompt_ids))
         self.n_prompts += len(prompt_ids)
         self.n_records += n_records
-        # As `duplicate_chain_targets`: duplicates naming another text, the first row for each.
-        dups = [r for r in records if r["outcome"] in _DUPLICATE and r["duplicate_of"] is not None
-                and r["duplicate_of"] != r["prompt_id"]]
-        if dups and not self.stored.contains(id_keys([r["duplicate_of"] for r in dups])).all():
+        self.n_heldout += sum(r["outcome"] == "heldout" for r in records)
+        chains = chain_rows(records)
+        if chains and not self.stored.contains(id_keys([t for t, _ in chains.values()])).all():
             return False
-        for r in dups:
-            self.chains.setdefault(r["prompt_id"], (r["duplicate_of"], r["similarity"]))
+        for p, chain in chains.items():
+            self.chains.setdefault(p, chain)
         return True
 
 
 class ExactIndexStore(DuckDBFile):
     """The lineage store's side of the exact index: loading it, and checking it is current."""
 
-    def exact_matches(self, prompt_ids: list[str]) -> tuple[set[str], dict[str, tuple[str, float | None]]]:
-        """(the ids stored as prompts, the others' duplicate-chain targets), from the in-memory index."""
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._exact_cache: ExactIndex | None = None
+        # Batches this process committed, not yet added to the index: added by the next checked
+        # lookup, so an unchecked one sees the index as of the last check (what its caller assumes).
+        self._exact_written: list[tuple[list[str], list[dict], int]] = []
+        # The writer thread reports batches while a lookup may run on another thread.
+        self._exact_mutex = threading.Lock()
+
+    def _exact(self, check: bool) -> ExactIndex:
+        """The index, loaded if need be; with `check`, first made current with the store (one read)."""
+        with self._exact_mutex:
+            if not self.path.exists():  # an empty store: the first write's batch is added after it
+                self._exact_cache = self._exact_cache or ExactIndex(0, 0, 0)
+                return self._exact_cache
+            if check:
+                self._add_written()
+            index = self._exact_cache
+            if index is None or check:
+                with self.read() as con:
+                    counts = _row_counts(con)
+                    if index is None or (index.n_prompts, index.n_records) != counts:
+                        index = self._exact_cache = self._load_exact(con, counts)
+                        self._exact_written.clear()  # committed before this read, so in it
+            return index
+
+    def _add_written(self) -> None:
+        for written in self._exact_written:
+            if self._exact_cache is not None and not self._exact_cache.add_batch(*written):
+                self._exact_cache = None
+        self._exact_written.clear()
+
+    def exact_matches(self, prompt_ids: list[str], check: bool = True
+                      ) -> tuple[set[str], dict[str, tuple[str, float | None]]]:
+        """(the ids stored as prompts, the others' duplicate-chain targets), from the in-memory index.
+
+        `check=False` skips making it current: no read of the store (once loaded), so no wait for
+        a write in progress, and the index as of the last check, not counting batches this process
+        committed since; for a caller that asks `exact_index_current` once its own write committed.
+        """
+        return self._exact(check).matches(prompt_ids)
+
+    def indexed_heldout_count(self, check: bool = True) -> int:
+        """Held-out prompts in the workspace, as the index counts them (`check` as for `exact_matches`)."""
+        return self._exact(check).n_heldout
+
+    def exact_index_current(self) -> bool:
+        """With the batches this process committed added: whether the index holds exactly what the
+        store holds (one read). If not (another writer's rows), it is dropped, and the next lookup
+        loads it again."""
         if not self.path.exists():
-            return set(), {}
-        index = getattr(self, "_exact_cache", None)
-        with self.read() as con:
-            counts = _row_counts(con)
-            if index is None or (index.n_prompts, index.n_records) != counts:
-                index = self._exact_cache = self._load_exact(con, counts)
-        return index.matches(prompt_ids)
+            return True
+        with self._exact_mutex:
+            self._add_written()
+            index = self._exact_cache
+            if index is None:
+                return False
+            with self.read() as con:
+                if (index.n_prompts, index.n_records) == _row_counts(con):
+                    return True
+            self._exact_cache = None
+            return False
 
     def discover_batch_written(self, prompt_ids: list[str], records: list[dict], n_records: int) -> None:
         """Called by the writer after a discover batch committed: `prompt_ids` and `n_records` are
         the prompts and outcome rows its transaction inserted."""
-        index = getattr(self, "_exact_cache", None)
-        if index is not None and not index.add_batch(prompt_ids, records, n_records):
-            self._exact_cache = None
+        with self._exact_mutex:
+            self._exact_written.append((prompt_ids, records, n_records))
 
     def _load_exact(self, con, counts: tuple[int, int]) -> ExactIndex:
-        index = ExactIndex(*counts)
+        (n_heldout,), = con.execute("SELECT count(*) FROM records WHERE outcome = 'heldout'").fetchall()
+        index = ExactIndex(*counts, n_heldout)
         # In batches of a million: a 10M-prompt store never holds its ids as Python strings.
         for batch in con.sql("SELECT prompt_id FROM prompts").to_arrow_reader(1_000_000):
             index.stored.add(_arrow_id_keys(batch.column(0)))

@@ -51,7 +51,10 @@ def test_exact_matches_answer_as_the_store_does_batch_after_batch_and_load_once(
     assert sum(checked) == len(records)
     stored, earlier = store.exact_matches(sorted(set(seen)))
     assert len(earlier) >= 10  # the fixture has texts only seen as near duplicates, and their twins
-    assert len(loads) == 1  # the only writer: each batch is added, the store never read again
+    assert loads == []  # begun on an empty store, the only writer: each batch added, never loaded
+    again = LineageStore(tmp_path / "l.duckdb")  # a new process: loads it from the store, once
+    ids = sorted(set(seen))
+    assert again.exact_matches(ids) == (stored, earlier) == _sql_answer(again, ids) and len(loads) == 1
 
 
 def test_prompts_and_chains_another_writer_stored_are_found(tmp_path):
