@@ -66,38 +66,58 @@ def _hex_keys(digits: np.ndarray) -> np.ndarray | None:
     return np.ascontiguousarray((nibbles[:, 0::2] << 4) | nibbles[:, 1::2]).view("S16").ravel()
 
 
+def _is_hex_id(prompt_id: str) -> bool:
+    return len(prompt_id) == 32 and set(prompt_id) <= _HEX_DIGITS  # lower case: "AB" is another id than "ab"
+
+
 def _key(prompt_id: str) -> bytes:
-    if len(prompt_id) == 32 and set(prompt_id) <= _HEX_DIGITS:  # lower case: "AB" is another id than "ab"
+    if _is_hex_id(prompt_id):
         return bytes.fromhex(prompt_id)
     return hashlib.blake2b(prompt_id.encode(), digest_size=16).digest()
 
 
+# Keys per run at most: a merge copies no more than this (16 MB of keys), where merging the
+# runs of 10M stored prompts into one copied 150 MB at once and took the 10M dedupe past 4 GB.
+_MAX_RUN = 1 << 20
+
+
 class _SortedKeys:
-    """A set of S16 keys as sorted runs, each merged into the one before while that is not more
-    than twice its size: adding a batch never re-sorts the whole set."""
+    """S16 keys, each with optional values, as sorted runs: a run is merged into the one before
+    while that one is not more than twice its size and the two fit in `_MAX_RUN` keys, so adding
+    a batch never re-sorts the whole set. A key added twice keeps the values it was added with first."""
 
-    def __init__(self) -> None:
-        self.runs: list[np.ndarray] = []
+    def __init__(self, *value_dtypes: np.dtype):
+        self.value_dtypes = value_dtypes
+        self.runs: list[tuple[np.ndarray, ...]] = []  # (keys sorted, *values in their order)
 
-    def add(self, keys: np.ndarray) -> None:
+    def add(self, keys: np.ndarray, *values: np.ndarray) -> None:
         if not len(keys):
             return
-        self.runs.append(np.sort(keys))
-        while len(self.runs) > 1 and len(self.runs[-2]) <= 2 * len(self.runs[-1]):
-            b, a = self.runs.pop(), self.runs.pop()
-            merged = np.concatenate((a, b))
-            merged.sort(kind="stable")  # two sorted runs: a linear merge
-            self.runs.append(merged)
+        order = np.argsort(keys, kind="stable")
+        self.runs.append((keys[order], *(v[order] for v in values)))
+        while (len(self.runs) > 1 and len(self.runs[-2][0]) <= 2 * len(self.runs[-1][0])
+               and len(self.runs[-2][0]) + len(self.runs[-1][0]) <= _MAX_RUN):
+            later, earlier = self.runs.pop(), self.runs.pop()
+            order = np.argsort(np.concatenate((earlier[0], later[0])), kind="stable")  # earlier first among equals
+            self.runs.append(tuple(np.concatenate((x, y))[order] for x, y in zip(earlier, later)))
+
+    def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+        """Which keys are present, and the values each was first added with."""
+        found = np.zeros(len(keys), dtype=bool)
+        values = tuple(np.zeros(len(keys), dtype=d) for d in self.value_dtypes)
+        for run in self.runs:  # in the order added
+            at = np.minimum(np.searchsorted(run[0], keys), len(run[0]) - 1)
+            hit = (run[0][at] == keys) & ~found
+            for out, v in zip(values, run[1:]):
+                out[hit] = v[at[hit]]
+            found |= hit
+        return found, values
 
     def contains(self, keys: np.ndarray) -> np.ndarray:
-        found = np.zeros(len(keys), dtype=bool)
-        for run in self.runs:
-            at = np.minimum(np.searchsorted(run, keys), len(run) - 1)
-            found |= run[at] == keys
-        return found
+        return self.lookup(keys)[0]
 
     def __len__(self) -> int:
-        return sum(len(r) for r in self.runs)
+        return sum(len(r[0]) for r in self.runs)
 
 
 def chain_rows(records: list[dict]) -> dict[str, tuple[str, float | None]]:
@@ -116,16 +136,36 @@ class ExactIndex:
     def __init__(self, n_prompts: int, n_records: int, n_heldout: int):
         self.n_prompts, self.n_records, self.n_heldout = n_prompts, n_records, n_heldout
         self.stored = _SortedKeys()
-        # prompt id (not stored) of an earlier duplicate record -> (stored prompt its chain ends at, similarity)
-        self.chains: dict[str, tuple[str, float | None]] = {}
+        # Key of a prompt id (not stored) of an earlier duplicate record -> key of the stored prompt its
+        # chain ends at, and the similarity (NaN: none). Keys, not strings: 36 bytes a chain, where a
+        # dict of strings took 270 (120 MB for the 436K near duplicates of the 10M catalog).
+        self.chains = _SortedKeys(np.dtype("S16"), np.dtype(np.float32))
+        self.odd_targets: dict[bytes, str] = {}  # the ids of chain targets whose key is a hash
 
     def matches(self, prompt_ids: list[str]) -> tuple[set[str], dict[str, tuple[str, float | None]]]:
         if not prompt_ids:
             return set(), {}
-        hit = self.stored.contains(id_keys(prompt_ids))
+        keys = id_keys(prompt_ids)
+        hit = self.stored.contains(keys)
         stored = {p for p, h in zip(prompt_ids, hit) if h}
-        earlier = {p: self.chains[p] for p in prompt_ids if p not in stored and p in self.chains}
+        found, (targets, sims) = self.chains.lookup(keys)
+        earlier = {}
+        for k in np.flatnonzero(found & ~hit):
+            target = targets[k].ljust(16, b"\0")  # numpy drops trailing zero bytes
+            sim = float(sims[k])
+            earlier[prompt_ids[k]] = (self.odd_targets.get(target) or target.hex(), None if sim != sim else sim)
         return stored, earlier
+
+    def add_chains(self, chains: dict[str, tuple[str, float | None]]) -> None:
+        if not chains:
+            return
+        targets = [t for t, _ in chains.values()]
+        target_keys = id_keys(targets)
+        for t, k in zip(targets, target_keys.tolist()):
+            if not _is_hex_id(t):
+                self.odd_targets[k.ljust(16, b"\0")] = t
+        sims = np.array([np.nan if s is None else s for _, s in chains.values()], dtype=np.float32)
+        self.chains.add(id_keys(list(chains)), target_keys, sims)
 
     def add_batch(self, prompt_ids: list[str], records: list[dict], n_records: int) -> bool:
         """A committed batch: the prompts it inserted, its outcome rows, how many of those it inserted.
@@ -143,8 +183,7 @@ class ExactIndex:
         chains = chain_rows(records)
         if chains and not self.stored.contains(id_keys([t for t, _ in chains.values()])).all():
             return False
-        for p, chain in chains.items():
-            self.chains.setdefault(p, chain)
+        self.add_chains(chains)
         return True
 
 
@@ -230,7 +269,7 @@ class ExactIndexStore(DuckDBFile):
             "SELECT DISTINCT r.prompt_id FROM records r ANTI JOIN prompts p USING (prompt_id) "
             f"WHERE r.outcome IN {_DUPLICATE} AND r.duplicate_of IS NOT NULL AND r.duplicate_of <> r.prompt_id"
         ).fetchall()]
-        index.chains = _chain_targets(con, starts)
+        index.add_chains(_chain_targets(con, starts))
         return index
 
     def existing_prompt_ids(self, prompt_ids: list[str]) -> set[str]:

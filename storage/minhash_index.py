@@ -12,7 +12,9 @@ registry table. Promises:
 - In memory only the band keys (folded to 32 bits, packed with a 32-bit entry number into one
   sorted uint64 per entry and band, 8 bytes x bands per prompt), in LSM runs merged geometrically;
   signatures and ids stay on disk and are read, memory-mapped, for candidates only.
-- Segments registered by other processes are picked up at the next lookup (one registry query).
+- Segments registered by other processes are picked up at the next lookup (one registry query);
+  a `refresh=False` lookup skips that query, and `near_index_current` tells its caller afterwards
+  whether any segment but its own came in meanwhile.
 """
 
 from __future__ import annotations

@@ -91,3 +91,25 @@ def test_a_row_naming_a_prompt_that_is_not_stored_leaves_the_chain_to_the_store(
     ids = [edit_id, base_id, "f" * 32]
     assert store.exact_matches(ids) == _sql_answer(store, ids)
     assert store.exact_matches(ids)[1]["f" * 32][0] == edit_id  # followed through the base
+
+
+def test_runs_stay_under_their_cap_and_a_key_keeps_the_values_it_came_with_first(monkeypatch):
+    import storage.exact_index as exact_index
+
+    monkeypatch.setattr(exact_index, "_MAX_RUN", 64)
+    ids = [hashlib.sha256(str(i).encode()).hexdigest()[:32] for i in range(1000)]
+    index = exact_index.ExactIndex(0, 0, 0)
+    for k in range(0, 1000, 37):
+        index.stored.add(id_keys(ids[k : k + 37]))
+        # Chains of the same texts added again later with other values (as a later batch's rows would).
+        index.add_chains({p: (ids[0], 0.5) for p in ids[k : k + 37]} | {p: (ids[1], 0.25) for p in ids[:k]})
+    assert max(len(r[0]) for r in index.stored.runs) <= 64 and len(index.stored) == 1000
+    assert index.stored.contains(id_keys(ids)).all() and not index.stored.contains(id_keys(["0" * 32])).any()
+    index.add_chains({"f" * 32: ("not a hex id", None)})
+    _, earlier = index.matches(ids[500:] + ["f" * 32])
+    assert earlier == {"f" * 32: ("not a hex id", None)}  # the others are stored
+    fresh = exact_index.ExactIndex(0, 0, 0)
+    fresh.add_chains({p: (ids[0], 0.5) for p in ids[:100]})
+    fresh.add_chains({p: (ids[1], 0.25) for p in ids[:200]})
+    _, earlier = fresh.matches(ids[:200])
+    assert all(earlier[p] == (ids[0], 0.5) for p in ids[:100]) and all(earlier[p] == (ids[1], 0.25) for p in ids[100:200])
