@@ -12,8 +12,6 @@ side: the SQL that loads it and the check that it is current. Promises:
 - `discover_batch_written` is told of each committed discover batch by the writer, so a process
   that is the store's only writer never reloads: at 10M records the two joins it replaces
   scanned every stored prompt and record for each batch.
-- `check=False` lookups, once the index is loaded, read nothing from the store, so they run while this process's own write
-  holds it; their caller then asks `exact_index_current`, which is False if anyone else wrote.
 """
 
 from __future__ import annotations
@@ -133,8 +131,8 @@ def chain_rows(records: list[dict]) -> dict[str, tuple[str, float | None]]:
 class ExactIndex:
     """What this process knows of the store for exact dedupe, and the row counts that knowledge covers."""
 
-    def __init__(self, n_prompts: int, n_records: int, n_heldout: int):
-        self.n_prompts, self.n_records, self.n_heldout = n_prompts, n_records, n_heldout
+    def __init__(self, n_prompts: int, n_records: int):
+        self.n_prompts, self.n_records = n_prompts, n_records
         self.stored = _SortedKeys()
         # Key of a prompt id (not stored) of an earlier duplicate record -> key of the stored prompt its
         # chain ends at, and the similarity (NaN: none). Keys, not strings: 36 bytes a chain, where a
@@ -179,7 +177,6 @@ class ExactIndex:
         self.stored.add(id_keys(prompt_ids))
         self.n_prompts += len(prompt_ids)
         self.n_records += n_records
-        self.n_heldout += sum(r["outcome"] == "heldout" for r in records)
         chains = chain_rows(records)
         if chains and not self.stored.contains(id_keys([t for t, _ in chains.values()])).all():
             return False
@@ -193,75 +190,31 @@ class ExactIndexStore(DuckDBFile):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._exact_cache: ExactIndex | None = None
-        # Batches this process committed, not yet added to the index: added by the next checked
-        # lookup, so an unchecked one sees the index as of the last check (what its caller assumes).
-        self._exact_written: list[tuple[list[str], list[dict], int]] = []
-        # The writer thread reports batches while a lookup may run on another thread.
+        # discover's writer thread reports each batch it committed; lookups run on another thread.
         self._exact_mutex = threading.Lock()
 
-    def _exact(self, check: bool) -> ExactIndex:
-        """The index, loaded if need be; with `check`, first made current with the store (one read)."""
+    def exact_matches(self, prompt_ids: list[str]) -> tuple[set[str], dict[str, tuple[str, float | None]]]:
+        """(the ids stored as prompts, the others' duplicate-chain targets), from the in-memory index."""
         with self._exact_mutex:
             if not self.path.exists():  # an empty store: the first write's batch is added after it
-                self._exact_cache = self._exact_cache or ExactIndex(0, 0, 0)
-                return self._exact_cache
-            if check:
-                self._add_written()
+                self._exact_cache = self._exact_cache or ExactIndex(0, 0)
+                return self._exact_cache.matches(prompt_ids)
             index = self._exact_cache
-            if index is None or check:
-                with self.read() as con:
-                    counts = _row_counts(con)
-                    if index is None or (index.n_prompts, index.n_records) != counts:
-                        index = self._exact_cache = self._load_exact(con, counts)
-                        self._exact_written.clear()  # committed before this read, so in it
-            return index
-
-    def _add_written(self) -> None:
-        for written in self._exact_written:
-            if self._exact_cache is not None and not self._exact_cache.add_batch(*written):
-                self._exact_cache = None
-        self._exact_written.clear()
-
-    def exact_matches(self, prompt_ids: list[str], check: bool = True
-                      ) -> tuple[set[str], dict[str, tuple[str, float | None]]]:
-        """(the ids stored as prompts, the others' duplicate-chain targets), from the in-memory index.
-
-        `check=False` skips making it current: no read of the store (once loaded), so no wait for
-        a write in progress, and the index as of the last check, not counting batches this process
-        committed since; for a caller that asks `exact_index_current` once its own write committed.
-        """
-        return self._exact(check).matches(prompt_ids)
-
-    def indexed_heldout_count(self, check: bool = True) -> int:
-        """Held-out prompts in the workspace, as the index counts them (`check` as for `exact_matches`)."""
-        return self._exact(check).n_heldout
-
-    def exact_index_current(self) -> bool:
-        """With the batches this process committed added: whether the index holds exactly what the
-        store holds (one read). If not (another writer's rows), it is dropped, and the next lookup
-        loads it again."""
-        if not self.path.exists():
-            return True
-        with self._exact_mutex:
-            self._add_written()
-            index = self._exact_cache
-            if index is None:
-                return False
             with self.read() as con:
-                if (index.n_prompts, index.n_records) == _row_counts(con):
-                    return True
-            self._exact_cache = None
-            return False
+                counts = _row_counts(con)
+                if index is None or (index.n_prompts, index.n_records) != counts:
+                    index = self._exact_cache = self._load_exact(con, counts)
+            return index.matches(prompt_ids)
 
     def discover_batch_written(self, prompt_ids: list[str], records: list[dict], n_records: int) -> None:
         """Called by the writer after a discover batch committed: `prompt_ids` and `n_records` are
         the prompts and outcome rows its transaction inserted."""
         with self._exact_mutex:
-            self._exact_written.append((prompt_ids, records, n_records))
+            if self._exact_cache is not None and not self._exact_cache.add_batch(prompt_ids, records, n_records):
+                self._exact_cache = None
 
     def _load_exact(self, con, counts: tuple[int, int]) -> ExactIndex:
-        (n_heldout,), = con.execute("SELECT count(*) FROM records WHERE outcome = 'heldout'").fetchall()
-        index = ExactIndex(*counts, n_heldout)
+        index = ExactIndex(*counts)
         # In batches of a million: a 10M-prompt store never holds its ids as Python strings.
         for batch in con.sql("SELECT prompt_id FROM prompts").to_arrow_reader(1_000_000):
             index.stored.add(_arrow_id_keys(batch.column(0)))

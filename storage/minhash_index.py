@@ -12,9 +12,7 @@ registry table. Promises:
 - In memory only the band keys (folded to 32 bits, packed with a 32-bit entry number into one
   sorted uint64 per entry and band, 8 bytes x bands per prompt), in LSM runs merged geometrically;
   signatures and ids stay on disk and are read, memory-mapped, for candidates only.
-- Segments registered by other processes are picked up at the next lookup (one registry query);
-  a `refresh=False` lookup skips that query, and `near_index_current` tells its caller afterwards
-  whether any segment but its own came in meanwhile.
+- Segments registered by other processes are picked up at the next lookup (one registry query).
 """
 
 from __future__ import annotations
@@ -58,18 +56,6 @@ class MinhashIndex:
         self.starts = np.zeros(0, dtype=np.int64)  # first entry number of each loaded segment
         self.size = 0
         self.runs: list[list[np.ndarray]] = []  # each: per band, n packed uint64 keys, sorted
-
-    @classmethod
-    def of_keys(cls, keys: np.ndarray, num_perm: int) -> "MinhashIndex":
-        """An index of these band keys alone, entries numbered in row order, held in memory with no
-        segment files (so `candidates` only): for a batch whose write has not committed yet."""
-        index = cls(Path(), num_perm, keys.shape[1])
-        if len(keys):
-            run = (fold_keys(keys).T.astype(np.uint64) << np.uint64(32)) | np.arange(len(keys), dtype=np.uint64)
-            run.sort(axis=1)
-            index.size = len(keys)
-            index._push(list(run))
-        return index
 
     # ------------------------------------------------------------ loading
 
@@ -204,26 +190,16 @@ def remove_unregistered_segments(folder: Path, registered: set[str]) -> list[Pat
 class NearIndexStore(DuckDBFile):
     """The lineage store's side of the index: registry rows, segment writes, the cached index."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._near_cache: dict[str, MinhashIndex] = {}
-        self._own_segments: set[str] = set()  # segments this process wrote
-
     def _near_indexes(self) -> dict[str, MinhashIndex]:
+        if not hasattr(self, "_near_cache"):
+            self._near_cache: dict[str, MinhashIndex] = {}
         return self._near_cache
 
-    def near_index(self, params: str, num_perm: int, bands: int, refresh: bool = True) -> MinhashIndex:
-        """This parameters key's index, with every segment registered so far (by any process) loaded.
-
-        `refresh=False` returns an index this process already loaded as it is, reading nothing
-        from the store (so not waiting for a write in progress): for a caller that will call
-        `near_index_current` once its own write committed.
-        """
+    def near_index(self, params: str, num_perm: int, bands: int) -> MinhashIndex:
+        """This parameters key's index, with every segment registered so far (by any process) loaded."""
         cache = self._near_indexes()
         folder = params_folder(self.path.parent, params)
         index = cache.get(params)
-        if index is not None and not refresh:
-            return index
         if index is None:
             index = cache[params] = MinhashIndex(folder, num_perm, bands)
             if not self.path.exists():
@@ -241,14 +217,6 @@ class NearIndexStore(DuckDBFile):
         index.load(segments)
         return index
 
-    def near_index_current(self, params: str, num_perm: int, bands: int) -> bool:
-        """Load the segments registered since the last look; whether all of them are this process's
-        own (so an index last read before its own write now holds exactly the store's)."""
-        index = self._near_indexes().get(params)
-        before = set(index.known) if index is not None else None
-        index = self.near_index(params, num_perm, bands)
-        return before is not None and index.known - before <= self._own_segments
-
     @staticmethod
     def _segments(con, params: str) -> list[tuple[str, int]]:
         return con.execute("SELECT name, rows FROM minhash_segments WHERE params = ? ORDER BY created_at, name",
@@ -259,7 +227,6 @@ class NearIndexStore(DuckDBFile):
         if not prompt_ids:
             return
         name = write_segment(params_folder(self.path.parent, params), prompt_ids, sig, keys)
-        self._own_segments.add(name)
         con.execute("INSERT INTO minhash_segments VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
                     [params, name, len(prompt_ids), _now()])
 

@@ -34,9 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from storage.exact_index import chain_rows
 from storage.lineage import LineageStore
-from storage.minhash_index import MinhashIndex
 from tasks.config import HeldoutConfig, NearDedupeConfig
 from tasks.decontaminate import NgramIndex
 from tasks.dedupe import band_keys, cluster, lsh_params, signatures
@@ -78,30 +76,15 @@ def _row(rec: RawRecord, outcome: str, prompt: Prompt | None = None, **extra) ->
     }
 
 
-def _prior_candidates(store: LineageStore, params: str, keys: np.ndarray, num_perm: int,
-                      in_flight: DiscoverBatch | None):
+def _prior_candidates(store: LineageStore, params: str, keys: np.ndarray, num_perm: int):
     """Stored prompts sharing an LSH bucket with batch texts: ((batch index, prior index) pairs,
-    their signatures, their ids sorted), read from the near-dedupe index. With `in_flight`, that
-    batch's kept prompts count as stored, and the index is taken as this process last read it."""
-    index = store.near_index(params, num_perm, keys.shape[1], refresh=in_flight is None)
-    found = []  # (batch index, prior number) pairs, and each prior number's id and signature
+    their signatures, their ids sorted), read from the near-dedupe index."""
+    index = store.near_index(params, num_perm, keys.shape[1])
     idx, entries = index.candidates(keys)
-    if len(idx):
-        entries_u, entry_pos = np.unique(entries, return_inverse=True)
-        found.append((idx, entry_pos, *index.fetch(entries_u)))
-    if in_flight is not None and in_flight.minhash is not None:
-        _, ids, sig, in_flight_keys = in_flight.minhash
-        # The same folded band keys as the stored index, so the same candidates as once it is stored.
-        idx, entries = MinhashIndex.of_keys(in_flight_keys, num_perm).candidates(keys)
-        if len(idx):
-            entries_u, entry_pos = np.unique(entries, return_inverse=True)
-            found.append((idx, entry_pos, np.array(ids, dtype="S32")[entries_u], sig[entries_u]))
-    if not found:
+    if not len(idx):
         return None, None, []
-    at = np.cumsum([0] + [len(f[2]) for f in found])
-    idx = np.concatenate([f[0] for f in found])
-    entry_pos = np.concatenate([f[1] + a for f, a in zip(found, at)])
-    ids, sig = np.concatenate([f[2] for f in found]), np.concatenate([f[3] for f in found])
+    entries_u, entry_pos = np.unique(entries, return_inverse=True)
+    ids, sig = index.fetch(entries_u)
     # Prior prompts numbered in prompt id order, one number per prompt even if indexed twice.
     ids_u, first, id_pos = np.unique(ids, return_index=True, return_inverse=True)
     m = len(ids_u)
@@ -195,25 +178,11 @@ def prepare_batch(records: list[RawRecord], formats: dict[str, tuple[str, str, s
 
 
 def resolve_batch(prepared: PreparedBatch, store: LineageStore, near: NearDedupeConfig,
-                  heldout: HeldoutConfig | None, in_flight: DiscoverBatch | None = None) -> DiscoverBatch:
-    """Steps 3-6 of the order: everything that depends on what the store already holds.
-
-    `in_flight`: the previous batch, still being written. It counts as stored, and the store is
-    taken as this process last read it (no read, so no wait for that write): the outcomes are
-    those after its commit, provided nobody else writes meanwhile, which the caller checks
-    (`lookups_current`) before writing these.
-    """
-    records, rows, candidates = prepared.records, list(prepared.rows), prepared.candidates
+                  heldout: HeldoutConfig | None) -> DiscoverBatch:
+    """Steps 3-6 of the order: everything that depends on what the store already holds."""
+    records, rows, candidates = prepared.records, prepared.rows, prepared.candidates
     batch_ids = sorted({p.prompt_id for _, p in candidates})
-    stored, earlier = store.exact_matches(batch_ids, check=in_flight is None)
-    if in_flight is not None:
-        in_flight_prompts = {p["prompt_id"] for p in in_flight.prompts}
-        in_flight_chains = chain_rows(in_flight.records)
-        for p in batch_ids:
-            if p in in_flight_prompts:
-                stored.add(p)
-            elif p in in_flight_chains and p not in stored and p not in earlier:
-                earlier[p] = in_flight_chains[p]
+    stored, earlier = store.exact_matches(batch_ids)
     first_seen: set[str] = set()
     unique: list[tuple[int, Prompt]] = []
     twins: list[tuple[int, Prompt]] = []  # exact duplicates of an earlier record of this batch
@@ -240,7 +209,7 @@ def resolve_batch(prepared: PreparedBatch, store: LineageStore, near: NearDedupe
         params = minhash_params_key(near)
         rows_of = [prepared.signed[p.prompt_id] for _, p in unique]
         sig, keys = prepared.sig[rows_of], prepared.keys[rows_of]
-        prior_pairs, prior_sig, prior_ids = _prior_candidates(store, params, keys, near.num_perm, in_flight)
+        prior_pairs, prior_sig, prior_ids = _prior_candidates(store, params, keys, near.num_perm)
         result = cluster(sig, keys, near.threshold, prior_pairs, prior_sig)
         n = len(unique)
         kept_pos = []
@@ -276,9 +245,7 @@ def resolve_batch(prepared: PreparedBatch, store: LineageStore, near: NearDedupe
 
     held: set[str] = set()
     if heldout is not None and heldout.fraction > 0 and kept:
-        room = heldout.cap - store.indexed_heldout_count(check=in_flight is None)
-        if in_flight is not None:
-            room -= sum(r["outcome"] == "heldout" for r in in_flight.records)
+        room = heldout.cap - store.heldout_count()
         held = set(choose_heldout([p.prompt_id for _, p in kept], heldout.fraction, room))
     prompts = []
     for i, p in kept:
@@ -316,44 +283,28 @@ def decide_and_write(
 ) -> None:
     """Each chunk decided and written as one batch, in order; `on_written(batch)` once it has committed.
 
-    The outcomes are those of `decide_outcomes` then `write_discover_batch`, batch after batch, and
-    each write is one transaction, so a crash loses no committed batch and a rerun continues after
-    it. What overlaps is the next batch's preparation and resolution with the write, which spends
-    most of its time in DuckDB, off the GIL: the next batch is resolved with the one being written
-    counted as stored (`resolve_batch(in_flight=...)`), and once that write has committed, the
-    store is checked for anyone else's rows or index segments since; if there are any, the batch
-    is resolved again against the store before it is written.
+    The outcomes are those of `decide_outcomes` then `write_discover_batch`, batch after batch: a
+    batch is resolved against the store only once the previous batch has committed, and each write
+    is one transaction, so a crash loses no committed batch and a rerun continues after it. What
+    overlaps is the next batch's store-free preparation with that write, which spends most of its
+    time in DuckDB, off the GIL: at 10M records the write is 40% of the time, and two cores do both.
     """
     with gc_paused(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="discover-write") as writer:
         pending: tuple[DiscoverBatch, Future] | None = None
         for chunk in chunks:
             prepared = prepare_batch(chunk, formats, near, contamination)
-            batch = resolve_batch(prepared, store, near, heldout, in_flight=pending[0] if pending else None)
             if pending is not None:
                 _committed(pending, on_written)
-                if not lookups_current(store, near):
-                    batch = resolve_batch(prepared, store, near, heldout)
+            batch = resolve_batch(prepared, store, near, heldout)
             pending = (batch, writer.submit(store.write_discover_batch, run_id, batch.records, batch.prompts,
                                             batch.minhash))
         if pending is not None:
             _committed(pending, on_written)
 
 
-def lookups_current(store: LineageStore, near: NearDedupeConfig) -> bool:
-    """After this process's own write committed: whether its exact and near-dedupe lookups hold
-    exactly what the store holds (False if another process wrote rows or index segments)."""
-    current = store.exact_index_current()
-    if near.enabled:
-        params = minhash_params_key(near)
-        # Always asked: it also loads the segment the write just registered.
-        current = store.near_index_current(params, near.num_perm, lsh_params(near.threshold, near.num_perm)[0]) \
-            and current
-    return current
-
-
 def _committed(pending: tuple[DiscoverBatch, Future], on_written: Callable[[DiscoverBatch], None] | None) -> None:
     batch, write = pending
-    write.result()  # a failed write raises here, before the next batch is written
+    write.result()  # a failed write raises here, before anything is resolved against a store without it
     if on_written is not None:
         on_written(batch)
 

@@ -288,11 +288,11 @@ def test_overlapped_decide_and_write_gives_the_outcomes_of_one_batch_after_the_o
 
 
 class _SlowWriteStore(LineageStore):
-    """Logs each write's start and end and each store lookup that resolving a batch starts with."""
+    """Logs each write's start and end and each store read that resolving a batch starts with."""
 
     def __init__(self, path, log, fail_on=None, after_write=None):
         super().__init__(path)
-        self.log, self.fail_on, self.after_write, self.writes, self.resolves = log, fail_on, after_write, 0, 0
+        self.log, self.fail_on, self.after_write, self.writes = log, fail_on, after_write, 0
 
     def write_discover_batch(self, run_id, records, prompts, minhash):
         n = self.writes = self.writes + 1
@@ -305,13 +305,12 @@ class _SlowWriteStore(LineageStore):
             self.after_write(n)
         self.log.append(("write end", n))
 
-    def exact_matches(self, prompt_ids, check=True):
-        self.resolves += 1  # the n-th resolve is batch n's, unless a batch was resolved twice
-        self.log.append(("resolve" if check else "resolve in flight", self.resolves))
-        return super().exact_matches(prompt_ids, check)
+    def exact_matches(self, prompt_ids):
+        self.log.append(("resolve", self.writes + 1))
+        return super().exact_matches(prompt_ids)
 
 
-def test_the_next_batch_is_prepared_and_resolved_while_one_is_written(tmp_path, monkeypatch):
+def test_a_batch_is_resolved_only_after_the_previous_write_committed_and_prepared_during_it(tmp_path, monkeypatch):
     import tasks.outcomes as outcomes
 
     log: list[tuple[str, int]] = []
@@ -322,27 +321,30 @@ def test_the_next_batch_is_prepared_and_resolved_while_one_is_written(tmp_path, 
     chunks = [_records([f"text number {k} " * 8], start=k) for k in range(3)]
     decide_and_write(chunks, "run", FORMATS, _SlowWriteStore(tmp_path / "l.duckdb", log), NearDedupeConfig(), None)
     at = {event: k for k, event in enumerate(log)}
-    assert len(at) == len(log) == 12, log
-    # The first batch is resolved against the store; each later one while the one before is written.
-    assert at[("prepare", 1)] < at[("resolve", 1)] < at[("write start", 1)] < at[("write end", 1)]
+    assert len(at) == len(log) == 12
+    for n in (1, 2, 3):
+        assert at[("prepare", n)] < at[("resolve", n)] < at[("write start", n)] < at[("write end", n)]
     for n in (1, 2):
-        assert at[("prepare", n + 1)] < at[("resolve in flight", n + 1)] < at[("write end", n)]
-        assert at[("write start", n)] < at[("write end", n)] < at[("write start", n + 1)]
+        # the next batch is prepared while this one is written, and resolved only once it is in
+        assert at[("write start", n)] < at[("write end", n)] and at[("prepare", n + 1)] < at[("write end", n)]
+        assert at[("write end", n)] < at[("resolve", n + 1)]
+        assert at[("resolve", n)] < at[("prepare", n + 1)]
 
 
-def test_a_failed_write_stops_before_the_next_batch_is_written(tmp_path):
+def test_a_failed_write_stops_before_the_next_batch_is_resolved(tmp_path):
     log: list[tuple[str, int]] = []
     store = _SlowWriteStore(tmp_path / "l.duckdb", log, fail_on=2)
     chunks = [_records([f"text number {k} " * 8], start=k) for k in range(4)]
     with pytest.raises(OSError, match="disk full"):
         decide_and_write(chunks, "run", FORMATS, store, NearDedupeConfig(), None)
-    assert ("write start", 3) not in log
+    assert ("resolve", 3) not in log and ("write start", 3) not in log
     assert [r[1] for r in _outcome_rows(store)] == ["L0"]  # batch 1 committed, nothing of batch 2
 
 
-def test_a_batch_resolved_during_a_write_is_resolved_again_when_another_writer_stored_meanwhile(tmp_path):
-    """Another process stores the base text (exact) and a one-word edit's kept partner (near) while
-    our first batch is written; our second batch, resolved meanwhile, must find both."""
+def test_a_batch_finds_what_another_writer_stored_while_the_one_before_was_written(tmp_path):
+    """Another process stores the base text's one-word edit (near) and a prompt (exact) right after
+    our first batch commits: our second batch must find both, though this process's exact index
+    was told only of its own batch."""
     case = _reported_case()
     other_texts = [case["edit"], "another process's own prompt " * 6]
     path = tmp_path / "l.duckdb"
@@ -353,13 +355,10 @@ def test_a_batch_resolved_during_a_write_is_resolved_again_when_another_writer_s
             batch = decide_outcomes(_records(other_texts, start=100), FORMATS, other, NearDedupeConfig(), None)
             other.write_discover_batch("other", batch.records, batch.prompts, batch.minhash)
 
-    log: list[tuple[str, int]] = []
-    store = _SlowWriteStore(path, log, after_write=other_process_writes)
+    store = _SlowWriteStore(path, [], after_write=other_process_writes)
     chunks = [_records(["our first prompt " * 6]), _records([case["base"], other_texts[1].upper()], start=1)]
     decide_and_write(chunks, "run", FORMATS, store, NearDedupeConfig(), None)
-    assert ("resolve in flight", 2) in log and ("resolve", 3) in log  # batch 2 resolved again after the check
     rows = {r[1]: r for r in _outcome_rows(store)}
-    edit_id = rows["L100"][3]
-    assert rows["L1"][2] == "near_duplicate" and rows["L1"][4] == edit_id
-    assert rows["L2"][2] == "exact_duplicate"
+    assert rows["L1"][2] == "near_duplicate" and rows["L1"][4] == rows["L100"][3]
+    assert rows["L2"][2] == "exact_duplicate" and rows["L2"][4] == rows["L101"][3]
     assert [r[2] for r in rows.values()].count("kept") == 3  # ours, and the other process's two

@@ -98,7 +98,7 @@ def test_runs_stay_under_their_cap_and_a_key_keeps_the_values_it_came_with_first
 
     monkeypatch.setattr(exact_index, "_MAX_RUN", 64)
     ids = [hashlib.sha256(str(i).encode()).hexdigest()[:32] for i in range(1000)]
-    index = exact_index.ExactIndex(0, 0, 0)
+    index = exact_index.ExactIndex(0, 0)
     for k in range(0, 1000, 37):
         index.stored.add(id_keys(ids[k : k + 37]))
         # Chains of the same texts added again later with other values (as a later batch's rows would).
@@ -108,7 +108,7 @@ def test_runs_stay_under_their_cap_and_a_key_keeps_the_values_it_came_with_first
     index.add_chains({"f" * 32: ("not a hex id", None)})
     _, earlier = index.matches(ids[500:] + ["f" * 32])
     assert earlier == {"f" * 32: ("not a hex id", None)}  # the others are stored
-    fresh = exact_index.ExactIndex(0, 0, 0)
+    fresh = exact_index.ExactIndex(0, 0)
     fresh.add_chains({p: (ids[0], 0.5) for p in ids[:100]})
     fresh.add_chains({p: (ids[1], 0.25) for p in ids[:200]})
     _, earlier = fresh.matches(ids[:200])

@@ -177,18 +177,3 @@ def test_band_lookups_match_a_brute_force_scan_across_runs():
     qi, entry = index.candidates(query)
     expect = sorted({(i, e) for i in range(25) for e in range(len(stored)) if (query[i] == stored[e]).any()})
     assert list(zip(qi.tolist(), entry.tolist())) == expect
-
-
-def test_only_this_processs_own_segments_keep_the_near_index_current(tmp_path):
-    path = tmp_path / "l.duckdb"
-    ours, other = LineageStore(path), LineageStore(path)  # another process, as far as each knows
-    near = NearDedupeConfig()
-    params, bands = minhash_params_key(near), lsh_params(near.threshold, near.num_perm)[0]
-    batch = decide_outcomes([RawRecord("s", "r0", {"prompt": "a prompt of ours " * 6})],
-                            {"s": ("prompt_response", "prompt", "response")}, ours, near, None)
-    ours.write_discover_batch("run", batch.records, batch.prompts, batch.minhash)
-    assert ours.near_index_current(params, near.num_perm, bands)  # it loaded our segment, nothing else
-    sig = signatures(["a prompt indexed by a backfill elsewhere " * 3], near.num_perm, near.ngram, near.shingle)
-    assert other.write_minhash(params, ["f" * 32], sig, band_keys(sig, *lsh_params(near.threshold, near.num_perm))) == 1
-    assert not ours.near_index_current(params, near.num_perm, bands)
-    assert ours.near_index_current(params, near.num_perm, bands)  # loaded now
