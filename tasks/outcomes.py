@@ -26,13 +26,10 @@ seen before), so how many records are exact duplicates does not depend on the or
 
 from __future__ import annotations
 
-import collections
 import gc
-import itertools
-import os
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import closing, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -283,21 +280,19 @@ def decide_and_write(
     contamination: NgramIndex | None,
     heldout: HeldoutConfig | None = None,
     on_written: Callable[[DiscoverBatch], None] | None = None,
-    prepare_process: bool | None = None,
 ) -> None:
     """Each chunk decided and written as one batch, in order; `on_written(batch)` once it has committed.
 
     The outcomes are those of `decide_outcomes` then `write_discover_batch`, batch after batch: a
     batch is resolved against the store only once the previous batch has committed, and each write
     is one transaction, so a crash loses no committed batch and a rerun continues after it. What
-    overlaps is the write, on its own thread, with the store-free preparation of the batches after
-    it. `prepare_process`: prepare in a worker process (tasks.prepare_worker), two batches ahead;
-    by default when there is more than one chunk and more than one core.
+    overlaps is the next batch's store-free preparation with that write, which spends most of its
+    time in DuckDB, off the GIL: at 10M records the write is 40% of the time, and two cores do both.
     """
-    batches = _prepared(chunks, formats, near, contamination, prepare_process)
-    with gc_paused(), closing(batches), ThreadPoolExecutor(max_workers=1, thread_name_prefix="discover-write") as writer:
+    with gc_paused(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="discover-write") as writer:
         pending: tuple[DiscoverBatch, Future] | None = None
-        for prepared in batches:
+        for chunk in chunks:
+            prepared = prepare_batch(chunk, formats, near, contamination)
             if pending is not None:
                 _committed(pending, on_written)
             batch = resolve_batch(prepared, store, near, heldout)
@@ -305,31 +300,6 @@ def decide_and_write(
                                             batch.minhash))
         if pending is not None:
             _committed(pending, on_written)
-
-
-def _prepared(chunks: Iterable[list[RawRecord]], formats: dict[str, tuple[str, str, str]], near: NearDedupeConfig,
-              contamination: NgramIndex | None, in_worker: bool | None) -> Iterator[PreparedBatch]:
-    """Each chunk prepared, in order: here, each when it is asked for (so while the previous batch
-    is written), or in a worker process that keeps two batches ahead."""
-    it = iter(chunks)
-    first = next(it, None)
-    second = next(it, None) if first is not None else None
-    if in_worker is None:
-        in_worker = second is not None and (os.cpu_count() or 1) > 1
-    if not in_worker:
-        for chunk in itertools.chain(() if first is None else (first,), () if second is None else (second,), it):
-            yield prepare_batch(chunk, formats, near, contamination)
-        return
-    from tasks.prepare_worker import PrepareWorker, unflatten  # it imports this module
-
-    with PrepareWorker(formats, near, contamination) as worker:
-        ahead = collections.deque((chunk, worker.submit(chunk)) for chunk in (first, second) if chunk is not None)
-        while ahead:
-            chunk, flat = ahead.popleft()
-            following = next(it, None)
-            if following is not None:
-                ahead.append((following, worker.submit(following)))
-            yield unflatten(flat.result(), chunk)
 
 
 def _committed(pending: tuple[DiscoverBatch, Future], on_written: Callable[[DiscoverBatch], None] | None) -> None:

@@ -269,10 +269,8 @@ def _outcome_rows(store: LineageStore) -> list[tuple]:
                                 "FROM records ORDER BY source, record_key")[1]
 
 
-@pytest.mark.parametrize("prepare_process", [False, True], ids=["prepared-here", "prepared-in-a-worker"])
-def test_overlapped_decide_and_write_gives_the_outcomes_of_one_batch_after_the_other(tmp_path, prepare_process):
-    """The next batch is prepared while the last one is written (here or in a worker process), and
-    still resolved against it."""
+def test_overlapped_decide_and_write_gives_the_outcomes_of_one_batch_after_the_other(tmp_path):
+    """The next batch is prepared while the last one is written, and still resolved against it."""
     records = _records(_planted_records())
     chunks = [records[k : k + 37] for k in range(0, len(records), 37)]
     one_by_one = LineageStore(tmp_path / "a.duckdb")
@@ -282,7 +280,7 @@ def test_overlapped_decide_and_write_gives_the_outcomes_of_one_batch_after_the_o
     overlapped = LineageStore(tmp_path / "b.duckdb")
     written = []
     decide_and_write(chunks, "run", FORMATS, overlapped, NearDedupeConfig(), None,
-                     on_written=lambda b: written.append(len(b.records)), prepare_process=prepare_process)
+                     on_written=lambda b: written.append(len(b.records)))
     assert written == [len(c) for c in chunks]
     expected = _outcome_rows(one_by_one)
     assert len(expected) == len(records) and {r[2] for r in expected} >= {"exact_duplicate", "near_duplicate"}
@@ -321,8 +319,7 @@ def test_a_batch_is_resolved_only_after_the_previous_write_committed_and_prepare
     monkeypatch.setattr(outcomes, "prepare_batch",
                         lambda *a, **k: (log.append(("prepare", next(prepared))), real(*a, **k))[1])
     chunks = [_records([f"text number {k} " * 8], start=k) for k in range(3)]
-    decide_and_write(chunks, "run", FORMATS, _SlowWriteStore(tmp_path / "l.duckdb", log), NearDedupeConfig(), None,
-                     prepare_process=False)  # prepare_batch is watched here, in this process
+    decide_and_write(chunks, "run", FORMATS, _SlowWriteStore(tmp_path / "l.duckdb", log), NearDedupeConfig(), None)
     at = {event: k for k, event in enumerate(log)}
     assert len(at) == len(log) == 12
     for n in (1, 2, 3):
