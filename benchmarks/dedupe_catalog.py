@@ -44,7 +44,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB_SIZE, MIN_WORDS, MAX_WORDS = 50_000, 15, 120
 PLANTED_SHARE, THRESHOLD_RECALL = 0.10, 0.85
-TARGET_S, TARGET_GB, TARGET_RECALL = 600.0, 4.0, 0.99
+TARGET_S, TARGET_GB, TARGET_RECALL = 600.0, 4.0, 0.99  # GB: 10^9 bytes (the peak is measured in GiB)
 EDIT_KINDS = ("substitute", "insert", "delete", "reorder", "whitespace", "case", "combo")
 J_BUCKETS = (0.0, 0.5, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0001)
 
@@ -184,8 +184,16 @@ class Catalog:
 # ---------------------------------------------------------------- the run
 
 def peak_rss_gb() -> float:
+    """Peak resident memory of this process plus its largest child, in GiB (2^30 bytes; the
+    results' `*_gb` fields have always been GiB)."""
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     return kb / 2**20
+
+
+def rss_gb() -> float:
+    """Resident memory now, in GiB: beside the peak, it tells a lasting rise from a passing one."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
 def folder_bytes(folder: Path) -> int:
@@ -342,7 +350,7 @@ def timed_pass(args: argparse.Namespace, workspace: Path, name: str) -> dict:
         if args.progress and (b % args.progress == 0 or b == catalog.n_batches - 1):
             print(f"  [{name}] batch {b + 1}/{catalog.n_batches}: timed {time.perf_counter() - t_start:.1f} s "
                   f"(prepare {phase['prepare']:.1f}, resolve {phase['resolve']:.1f}, "
-                  f"write {phase['write']:.1f} on its own thread), peak RSS {peak_rss_gb():.2f} GB", flush=True)
+                  f"write {phase['write']:.1f} on its own thread), RSS {rss_gb():.2f} GiB, peak {peak_rss_gb():.2f} GiB", flush=True)
         state["last"] = time.perf_counter()
 
     t_start = time.perf_counter()
@@ -431,7 +439,8 @@ def report(r: dict) -> None:
         ("slowest batch", f"{r['slowest_batch_s']:.2f} s (#{r['slowest_batch']})", ""),
         ("catalog made before (not timed)", f"{r['generation_s']:.1f} s", ""),
         ("scoring the outcomes (timed)", f"{r['scoring_s']:.1f} s", "on the main thread, beside the driver"),
-        ("peak RSS (self + children)", f"{r['peak_rss_gb']:.2f} GB", f"<= {TARGET_GB:.0f} GB"),
+        ("peak RSS (self + children)", f"{r['peak_rss_gb']:.2f} GiB ({r['peak_rss_gb'] * 2**30 / gb:.2f} GB)",
+         f"<= {TARGET_GB:.0f} GB"),
         ("planted pairs (J >= 0.85)", f"{r['planted_pairs']:,} ({r['pairs_j_ge_0.85']:,})", ""),
         ("recall, planted J >= 0.85", f"{r['recall_j_ge_0.85']:.4f}" if r["recall_j_ge_0.85"] is not None else "-",
          f">= {TARGET_RECALL}"),
@@ -458,7 +467,7 @@ def report(r: dict) -> None:
         rec = "-" if x["recall_j>=0.85"] is None else f"{x['recall_j>=0.85']:.4f}"
         print(f"  {x['kind']:<11} {x['pairs']:>9,} pairs  recall {rec}")
     print("outcomes:", ", ".join(f"{k} {v:,}" for k, v in sorted(r["outcomes"].items())))
-    ok = (r["timed_s"] <= TARGET_S and r["peak_rss_gb"] <= TARGET_GB
+    ok = (r["timed_s"] <= TARGET_S and r["peak_rss_gb"] * 2**30 <= TARGET_GB * 1e9
           and (r["recall_j_ge_0.85"] or 0) >= TARGET_RECALL)
     print(f"targets (time, memory, recall): {'met' if ok else 'NOT met'}")
 
