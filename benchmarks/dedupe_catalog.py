@@ -190,10 +190,12 @@ def peak_rss_gb() -> float:
     return kb / 2**20
 
 
-def rss_gb() -> float:
-    """Resident memory now, in GiB: beside the peak, it tells a lasting rise from a passing one."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+def rss_gb() -> dict[str, float]:
+    """Resident memory now, in GiB, anonymous (the heap, DuckDB's buffers) and file-backed (mapped
+    files): beside the peak, it tells a lasting rise from a passing one, and memory from cache."""
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f if line.startswith(("RssAnon", "RssFile")))
+    return {k: int(v.split()[0]) / 2**20 for k, v in fields.items()}
 
 
 def folder_bytes(folder: Path) -> int:
@@ -316,7 +318,7 @@ def timed_pass(args: argparse.Namespace, workspace: Path, name: str) -> dict:
             phase["read"] += time.perf_counter() - t0
             yield records
 
-    state = {"b": 0, "edges": 0, "explained": 0, "last": 0.0, "slowest": (0.0, -1)}
+    state = {"b": 0, "edges": 0, "explained": 0, "last": 0.0, "slowest": (0.0, -1), "peak_anon": 0.0}
     unexplained: list[tuple[str, str]] = []  # (record text, prompt id it was reported a duplicate of)
 
     def on_written(batch) -> None:
@@ -347,10 +349,13 @@ def timed_pass(args: argparse.Namespace, workspace: Path, name: str) -> dict:
                 unexplained.append((texts[pos], r["duplicate_of"]))
         phase["scoring"] += time.perf_counter() - t0
         state["b"] = b + 1
+        rss = rss_gb()
+        state["peak_anon"] = max(state["peak_anon"], rss["RssAnon"])
         if args.progress and (b % args.progress == 0 or b == catalog.n_batches - 1):
             print(f"  [{name}] batch {b + 1}/{catalog.n_batches}: timed {time.perf_counter() - t_start:.1f} s "
                   f"(prepare {phase['prepare']:.1f}, resolve {phase['resolve']:.1f}, "
-                  f"write {phase['write']:.1f} on its own thread), RSS {rss_gb():.2f} GiB, peak {peak_rss_gb():.2f} GiB", flush=True)
+                  f"write {phase['write']:.1f} on its own thread), RSS {rss['RssAnon']:.2f} GiB anonymous + {rss['RssFile']:.2f} file-backed, peak {peak_rss_gb():.2f} GiB",
+                  flush=True)
         state["last"] = time.perf_counter()
 
     t_start = time.perf_counter()
@@ -406,7 +411,7 @@ def timed_pass(args: argparse.Namespace, workspace: Path, name: str) -> dict:
         "write_s": round(phase["write"], 1), "write_overlapped": True, "resolves": calls["resolve"],
         "records_per_s": round(catalog.made / timed), "scoring_s": round(phase["scoring"], 1),
         "slowest_batch_s": round(slowest[0], 2), "slowest_batch": slowest[1],
-        "peak_rss_gb": round(peak_gb, 2), "peak_rss_gb_after_index_load": round(peak_rss_gb(), 2),
+        "peak_rss_gb": round(peak_gb, 2), "peak_anon_gb_per_batch": round(state["peak_anon"], 2), "peak_rss_gb_after_index_load": round(peak_rss_gb(), 2),
         "outcomes": counts, "planted_pairs": n, "pairs_j_ge_0.85": int(high.sum()),
         "recall_j_ge_0.85": float(found[high].mean()) if high.any() else None,
         "recall_all": float(found.mean()) if n else None,
@@ -441,6 +446,7 @@ def report(r: dict) -> None:
         ("scoring the outcomes (timed)", f"{r['scoring_s']:.1f} s", "on the main thread, beside the driver"),
         ("peak RSS (self + children)", f"{r['peak_rss_gb']:.2f} GiB ({r['peak_rss_gb'] * 2**30 / gb:.2f} GB)",
          f"<= {TARGET_GB:.0f} GB"),
+        ("  anonymous, after a batch (largest)", f"{r['peak_anon_gb_per_batch']:.2f} GiB", "heap and DuckDB's buffers"),
         ("planted pairs (J >= 0.85)", f"{r['planted_pairs']:,} ({r['pairs_j_ge_0.85']:,})", ""),
         ("recall, planted J >= 0.85", f"{r['recall_j_ge_0.85']:.4f}" if r["recall_j_ge_0.85"] is not None else "-",
          f">= {TARGET_RECALL}"),
