@@ -204,7 +204,7 @@ def folder_bytes(folder: Path) -> int:
 
 def write_catalog(catalog: Catalog, folder: Path) -> list[np.ndarray]:
     """Every batch's texts to `folder` (one NUL-joined UTF-8 array each), before anything is timed:
-    made while a worker prepares, they would lend the timed run a core. Returns each batch's planted
+    made during the timed pass, they would take CPU from the driver. Returns each batch's planted
     members, (position, pair, role) rows."""
     folder.mkdir(parents=True, exist_ok=True)
     members_of = []
@@ -300,7 +300,7 @@ def timed_pass(args: argparse.Namespace, workspace: Path, name: str) -> dict:
         return call
 
     # The phases, timed where discover's own driver calls them (the write on its own thread).
-    real = {name: getattr(outcomes, name) for name in ("prepare_batch", "resolve_batch")}
+    real = {attr: getattr(outcomes, attr) for attr in ("prepare_batch", "resolve_batch")}
     outcomes.prepare_batch = timed_as("prepare", real["prepare_batch"])
     outcomes.resolve_batch = timed_as("resolve", real["resolve_batch"])
     store.write_discover_batch = timed_as("write", store.write_discover_batch)
@@ -354,8 +354,8 @@ def timed_pass(args: argparse.Namespace, workspace: Path, name: str) -> dict:
         if args.progress and (b % args.progress == 0 or b == catalog.n_batches - 1):
             print(f"  [{name}] batch {b + 1}/{catalog.n_batches}: timed {time.perf_counter() - t_start:.1f} s "
                   f"(prepare {phase['prepare']:.1f}, resolve {phase['resolve']:.1f}, "
-                  f"write {phase['write']:.1f} on its own thread), RSS {rss['RssAnon']:.2f} GiB anonymous + {rss['RssFile']:.2f} file-backed, peak {peak_rss_gb():.2f} GiB",
-                  flush=True)
+                  f"write {phase['write']:.1f} on its own thread), RSS {rss['RssAnon']:.2f} GiB anonymous "
+                  f"+ {rss['RssFile']:.2f} file-backed, peak {peak_rss_gb():.2f} GiB", flush=True)
         state["last"] = time.perf_counter()
 
     t_start = time.perf_counter()
@@ -363,8 +363,8 @@ def timed_pass(args: argparse.Namespace, workspace: Path, name: str) -> dict:
     try:
         decide_and_write(chunks(), "bench", formats, store, near, None, on_written=on_written)
     finally:
-        for name, fn in real.items():
-            setattr(outcomes, name, fn)
+        for attr, fn in real.items():  # not `name`: that is this pass's
+            setattr(outcomes, attr, fn)
     timed = time.perf_counter() - t_start
     peak_gb = peak_rss_gb()  # the run's, before the index is loaded again below
     edges, explained, slowest = state["edges"], state["explained"], state["slowest"]
@@ -411,7 +411,8 @@ def timed_pass(args: argparse.Namespace, workspace: Path, name: str) -> dict:
         "write_s": round(phase["write"], 1), "write_overlapped": True, "resolves": calls["resolve"],
         "records_per_s": round(catalog.made / timed), "scoring_s": round(phase["scoring"], 1),
         "slowest_batch_s": round(slowest[0], 2), "slowest_batch": slowest[1],
-        "peak_rss_gb": round(peak_gb, 2), "peak_anon_gb_per_batch": round(state["peak_anon"], 2), "peak_rss_gb_after_index_load": round(peak_rss_gb(), 2),
+        "peak_rss_gb": round(peak_gb, 2), "peak_anon_gb_per_batch": round(state["peak_anon"], 2),
+        "peak_rss_gb_after_index_load": round(peak_rss_gb(), 2),
         "outcomes": counts, "planted_pairs": n, "pairs_j_ge_0.85": int(high.sum()),
         "recall_j_ge_0.85": float(found[high].mean()) if high.any() else None,
         "recall_all": float(found.mean()) if n else None,
