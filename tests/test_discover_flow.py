@@ -250,21 +250,27 @@ def test_kill_9_during_discover_then_resume_loses_and_duplicates_nothing(prefect
     cfg_path.write_text(yaml.safe_dump({"workspace": str(workspace), "discover": {
         "write_batch_records": 500, "sources": [{"name": "big", "kind": "file", "path": str(tmp_path / "big.jsonl")}]}}))
     store = LineageStore(workspace / "lineage.duckdb")
+
+    def stored() -> int:
+        return store.query_readonly("SELECT count(*) FROM records")[1][0][0] if store.path.exists() else 0
+
     for attempt in range(3):  # kill it at three different points
+        # Each kill lands after this attempt itself wrote 2,000 records, so its run is registered:
+        # an absolute target the previous kill overshot would kill the next attempt at its start.
+        target = stored() + 2_000
         p = subprocess.Popen([*EAGLE3, "discover", "--config", str(cfg_path)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 300
-        target = (attempt + 1) * 2_000
         while time.time() < deadline and p.poll() is None:
             if (workspace / "lineage.duckdb").exists():
                 try:
-                    if store.query_readonly("SELECT count(*) FROM records")[1][0][0] >= target:
+                    if stored() >= target:
                         break
                 except Exception:
                     pass
             time.sleep(0.2)
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
-    partial = store.query_readonly("SELECT count(*) FROM records")[1][0][0]
+    partial = stored()
     assert 0 < partial < len(rows)  # the kills really landed mid-run
     eagle3("discover", "--config", str(cfg_path))
     _, counts = store.query_readonly("SELECT count(*), count(DISTINCT record_key) FROM records")
