@@ -126,13 +126,19 @@ class LineageStore(NearIndexStore, ExactIndexStore, LineageReports, EvaluationRe
             ).fetchall()
         inserted: set[str] = set()
         if prompts:
+            # `prompts` has no key (migration 15): ids stay unique because writers hold the exclusive
+            # lock, repeats within the batch are dropped here and stored ids by the anti-join.
+            first = {p["prompt_id"]: k for k, p in reversed(list(enumerate(prompts)))}
+            if len(first) < len(prompts):
+                prompts = [p for k, p in enumerate(prompts) if first[p["prompt_id"]] == k]
             columns = {k: [p[k] for p in prompts] for k in PROMPT_ROWS.names if k not in ("run_id", "created_at")}
             table = pa.Table.from_pydict({**columns, "run_id": [run_id] * len(prompts), "created_at": [now] * len(prompts)},
                                          schema=PROMPT_ROWS)
             con.register("prm_in", table)
             inserted = {r[0] for r in con.execute(
-                "INSERT INTO prompts SELECT prompt_id, messages, n_turns, chars, source, record_key, format, "
-                "run_id, created_at FROM prm_in ON CONFLICT DO NOTHING RETURNING prompt_id"
+                "INSERT INTO prompts SELECT n.prompt_id, n.messages, n.n_turns, n.chars, n.source, n.record_key, "
+                "n.format, n.run_id, n.created_at FROM prm_in n "
+                "WHERE NOT EXISTS (SELECT 1 FROM prompts p WHERE p.prompt_id = n.prompt_id) RETURNING prompt_id"
             ).fetchall()}
         if minhash is not None:
             # Only prompts this transaction stored are indexed: a prompt another process stored

@@ -2,9 +2,10 @@
 
 Owns the record outcomes, the example queries `eagle3 run` prints, and the Arrow schemas of
 the rows the store inserts; the DDL (migrations and the documented views `record_outcomes`,
-`progress`, `checkpoint_lineage`, `prompt_clusters`) lives in `storage.migrations` and
-`storage.migrations_selection`, joined here as `MIGRATIONS`. Promises: the views are the public
-SQL surface; the tables behind them may change in a later migration.
+`progress`, `checkpoint_lineage`, `prompt_clusters`) lives in `storage.migrations`,
+`storage.migrations_selection` and `storage.migrations_scale`, joined here as `MIGRATIONS`.
+Promises: the views are the public SQL surface; the tables behind them may change in a later
+migration.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import pyarrow as pa
 
 from storage.datasets import GENERATION_FILE_SCHEMA
 from storage.migrations import MIGRATIONS as _FIRST_MIGRATIONS
+from storage.migrations_scale import SCALE_MIGRATIONS
 from storage.migrations_selection import SELECTION_MIGRATIONS
 
 # Every migration in version order (callers import it from here).
-MIGRATIONS = _FIRST_MIGRATIONS + SELECTION_MIGRATIONS
+MIGRATIONS = _FIRST_MIGRATIONS + SELECTION_MIGRATIONS + SCALE_MIGRATIONS
 
 OUTCOMES = ("kept", "heldout", "exact_duplicate", "near_duplicate", "contaminated", "quarantined")
 

@@ -215,3 +215,70 @@ def test_regenerate_eta_is_paced_in_requests_not_prompts(tmp_path):
     pending, eta = rows[0]
     assert pending == 30
     assert 25 <= eta.total_seconds() <= 40, eta
+
+
+def _discover_rows(start: int, n: int, source: str = "s") -> tuple[list[dict], list[dict]]:
+    """`n` kept records and their prompts, with ids as random as real content hashes."""
+    import hashlib
+    records, prompts = [], []
+    for i in range(start, start + n):
+        pid = hashlib.sha256(f"prompt {i}".encode()).hexdigest()[:32]
+        records.append({"source": source, "record_key": f"#{i}", "native_id": None, "outcome": "kept", "reason": None,
+                        "prompt_id": pid, "duplicate_of": None, "eval_item": None, "similarity": None})
+        prompts.append({"prompt_id": pid, "messages": [{"role": "user", "content": f"prompt {i}"}], "n_turns": 1,
+                        "chars": 8, "source": source, "record_key": f"#{i}", "format": "openai"})
+    return records, prompts
+
+
+def _index_bytes_of_a_write(store: LineageStore, start: int, n: int) -> int:
+    """DuckDB's index memory inside a discover write of `n` new prompts, before it commits."""
+    import storage.connection
+    records, prompts = _discover_rows(start, n)
+    with store.write() as con:
+        store._insert_discover(con, "r", storage.connection._now(), records, prompts, None)
+        (art,), = con.execute("SELECT coalesce(sum(memory_usage_bytes), 0) FROM duckdb_memory() "
+                              "WHERE tag = 'ART_INDEX'").fetchall()
+    return int(art)
+
+
+def test_a_discover_write_loads_no_index_that_grows_with_the_stored_prompts(tmp_path: Path):
+    # At 10M records the `prompts` primary key's index (about 76 B a stored prompt) was loaded by
+    # every write: 1.2 GiB of discover's 4.1 GiB peak. 40,000 more stored prompts cost that ~3 MB.
+    store = LineageStore(tmp_path / "l.duckdb")
+    store.write_discover_batch("r", *_discover_rows(0, 2_000), None)
+    small = _index_bytes_of_a_write(store, 2_000, 1_000)
+    for start in range(3_000, 43_000, 10_000):
+        store.write_discover_batch("r", *_discover_rows(start, 10_000), None)
+    large = _index_bytes_of_a_write(store, 43_000, 1_000)
+    assert large - small < 40_000 * 10, (small, large)
+    _, rows = store.query_readonly("SELECT count(*), count(DISTINCT prompt_id) FROM prompts")
+    assert rows == [(44_000, 44_000)]
+
+
+def test_prompts_stay_unique_without_a_key_and_an_old_store_keeps_its_prompts_in_order(tmp_path: Path, monkeypatch):
+    import storage.connection
+    path = tmp_path / "l.duckdb"
+    monkeypatch.setattr(storage.connection, "MIGRATIONS", [m for m in MIGRATIONS if m[0] <= 14])
+    old = LineageStore(path)
+    records, prompts = _discover_rows(0, 300)
+    old.write_discover_batch("r", records, prompts, None)
+    assert old.schema_version() == 14
+    monkeypatch.undo()
+
+    store = LineageStore(path)
+    # the same batch again, a batch with a prompt twice and one stored before: each id is stored once
+    store.write_discover_batch("r", records, prompts, None)
+    more_records, more_prompts = _discover_rows(300, 50)
+    store.write_discover_batch("r", more_records, more_prompts + more_prompts[:5] + prompts[:5], None)
+    assert store.schema_version() == 15
+    _, rows = store.query_readonly("SELECT prompt_id FROM prompts ORDER BY rowid")
+    ids = [r[0] for r in rows]
+    assert ids[:300] == [p["prompt_id"] for p in prompts]  # the rebuilt table in the old table's order
+    assert sorted(ids[300:]) == sorted(p["prompt_id"] for p in more_prompts)
+    _, rows = store.query_readonly("SELECT constraint_type FROM duckdb_constraints() WHERE table_name = 'prompts'")
+    assert {r[0] for r in rows} == {"NOT NULL"}
+    _, rows = store.query_readonly("SELECT outcome, count(*) FROM record_outcomes GROUP BY 1")
+    assert rows == [("kept", 350)]
+    with pytest.raises(Exception, match="NOT NULL"):
+        with store.write() as con:
+            con.execute("INSERT INTO prompts (prompt_id) VALUES (NULL)")
