@@ -11,11 +11,12 @@ SCALE_MIGRATIONS: list[tuple[int, str, str]] = [
         15,
         "prompts without a primary key: discover's write inserts what an anti-join under the writer lock leaves",
         """
-        -- The key's index (random 32-character ids: about 76 B a prompt in memory, twice that on
-        -- disk) was loaded whole by every write that inserted prompts: 1.2 GiB of the 4.1 GiB peak
-        -- of a 10M-record discover, and about 2 s of each 5.5-s batch write. Writers are serialised
-        -- by the store's exclusive lock, so the anti-join in `LineageStore._insert_discover` keeps
-        -- prompt ids unique, and a replayed batch still inserts nothing twice.
+        -- The key's index (random 32-character ids: about 76 B a prompt in DuckDB's buffers, 145 on
+        -- disk) was loaded whole by every write that inserted prompts. Without it a 10M-record
+        -- discover peaked at 3.41 GiB, not 3.89, in a lineage file of 4.13 GB, not 5.48
+        -- (benchmarks/README, dedupe_catalog). Writers are serialised by the store's exclusive
+        -- lock, so the anti-join in `LineageStore._insert_discover` keeps prompt ids unique, and a
+        -- replayed batch still inserts nothing twice.
         CREATE TABLE prompts_unkeyed (
             prompt_id VARCHAR NOT NULL,
             messages STRUCT(role VARCHAR, content VARCHAR)[] NOT NULL,
