@@ -50,7 +50,9 @@ from benchmarks.scaling_results import fmt, load_results  # noqa: E402
 
 ARMS = {"uniform": {"selection": "uniform", "seed": None},
         "acceptance": {"selection": "acceptance", "seed": None},
-        "uniform-seed1": {"selection": "uniform", "seed": 1}}
+        "uniform-seed1": {"selection": "uniform", "seed": 1},
+        # uniform's data, a draft whose head starts from the target's (train.init: target_head)
+        "uniform-head": {"selection": "uniform", "seed": None, "train": {"init": "target_head"}}}
 DEFAULT_SIZES = [12_500, 25_000, 50_000]
 # The target's answers the arms asked for, kept in git: a later session, on another machine, starts
 # its cache with them and regenerates only what no earlier session asked.
@@ -104,6 +106,7 @@ def arm_config(cfg, root: Path, arm: str, proxy_url: str, revision: str, templat
     data["train"]["run_name"] = arm
     if ARMS[arm]["seed"] is not None:
         data["train"]["seed"] = ARMS[arm]["seed"]
+    data["train"].update(ARMS[arm].get("train", {}))
     return PipelineConfig.model_validate(data)
 
 
@@ -191,7 +194,7 @@ def plot(results: Path, out: Path, k: int = 3) -> Path | None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, dom, title in zip(axes, ("heldout_chat", "humaneval"), ("held-out chat", "HumanEval")):
-        for arm, style in (("uniform", "o-"), ("acceptance", "s-"), ("uniform-seed1", "x:")):
+        for arm, style in (("uniform", "o-"), ("acceptance", "s-"), ("uniform-seed1", "x:"), ("uniform-head", "^--")):
             pts = sorted((r["train_tokens"], r[f"eagle3_{dom}"]) for r in rows
                          if r["arm"] == arm and r.get(f"eagle3_{dom}") is not None)
             if pts:

@@ -34,7 +34,8 @@ from storage.lineage import LineageError, LineageStore
 from storage.shards import ShardStore
 from tasks.chat import Sample, tokenise_rows
 from tasks.config import TrainConfig
-from tasks.draft_model import DraftConfig, Eagle3Draft, load_target_embeddings, target_head_weight
+from tasks.draft_model import (DraftConfig, Eagle3Draft, init_head_from_target, load_target_embeddings,
+                               target_final_norm_weight, target_head_weight)
 from tasks.ttt import collate
 from tasks.export import export_sglang, export_speculators
 from tasks.export_gguf import GGUF_FILE, export_gguf, llamacpp_converter, target_folder_for
@@ -170,6 +171,8 @@ def run_training(config: TrainConfig, store: LineageStore, run_id: str, dist: Di
     load_target_embeddings(draft, model)
     draft.set_vocab(vocab.d2t, vocab.t2d)
     target_head = target_head_weight(model)
+    if config.init == "target_head":  # a resumed run's checkpoint replaces these below
+        init_head_from_target(draft, target_head, target_final_norm_weight(model))
     optimizer = make_optimizer(draft, config.lr, config.weight_decay)
     schedule = Schedule(config.lr, config.schedule, config.warmup_steps, config.total_steps, config.min_lr_ratio)
     # What must not change under a resumed run (the split of micro-batches over processes may).

@@ -327,6 +327,9 @@ class TrainConfig(Strict):
     extract_key: str | None = Field(default=None, description="Which extraction's shards (default: the latest).")
     target: TargetConfig = Field(default_factory=TargetConfig)
     ttt_steps: int = Field(default=7, ge=1, le=16)
+    init: Literal["random", "target_head"] = Field(
+        default="random", description="How a new draft starts. target_head: lm_head from the target's head rows of the "
+                                      "draft vocab and norm from the target's final norm (the rest random).")
     step_decay: float = Field(default=0.8, gt=0, le=1)
     epochs: int = Field(default=1, ge=1, description="Passes over each round's shards.")
     batch_tokens: int = Field(default=8192, ge=16, description="Padded tokens per micro-batch.")

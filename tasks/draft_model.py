@@ -583,6 +583,39 @@ def load_target_embeddings(draft: Eagle3Draft, target_model: PreTrainedModel | n
     draft.embed_tokens.weight.requires_grad_(False)
 
 
+def init_head_from_target(draft: Eagle3Draft, head_weight: torch.Tensor, final_norm_weight: torch.Tensor) -> None:
+    """Start the draft's `lm_head` and `norm` from the target's: head rows of the draft vocab, the final norm.
+
+    The draft's head is its largest trained matrix (draft_vocab x H) and, from random, learns a row
+    only from the positions whose teacher puts mass on that token: with tens of thousands of
+    training tokens most rows see almost none. The target's own rows already map a target-like
+    final state to its tokens, which is what the draft's last hidden is trained to become (its
+    teacher is the target's distribution). Call after `set_vocab` (the rows are chosen by d2t).
+    """
+    v, h = draft.config.target_vocab_size, draft.config.hidden_size
+    if tuple(head_weight.shape) != (v, h):
+        raise ValueError(f"target head has shape {tuple(head_weight.shape)}, the draft expects {(v, h)} "
+                         "(target_vocab_size, hidden_size)")
+    if tuple(final_norm_weight.shape) != (h,):
+        raise ValueError(f"target final norm has shape {tuple(final_norm_weight.shape)}, the draft expects {(h,)}")
+    rows = draft.draft_to_target
+    if not bool(draft.t2d[rows].all()) or int(draft.t2d.sum()) != draft.config.draft_vocab_size:
+        raise ValueError("the draft vocab is not set (call set_vocab before init_head_from_target)")
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(head_weight.detach()[rows.to(head_weight.device)].to(draft.lm_head.weight))
+        draft.norm.weight.copy_(final_norm_weight.detach().to(draft.norm.weight))
+
+
+def target_final_norm_weight(target_model: PreTrainedModel | nn.Module) -> torch.Tensor:
+    """The weight of the target's final RMSNorm, the one its lm_head reads (Llama and DeepSeek-V3 layouts)."""
+    base = getattr(target_model, getattr(target_model, "base_model_prefix", "model"), None)
+    norm = getattr(base, "norm", None)
+    if norm is None or getattr(norm, "weight", None) is None:
+        raise ValueError(f"{type(target_model).__name__} has no final norm at .{target_model.base_model_prefix}.norm: "
+                         "train.init: target_head needs it")
+    return norm.weight.detach()
+
+
 def target_head_weight(target_model: PreTrainedModel | nn.Module) -> torch.Tensor:
     """The target's lm_head weight [V, H]: the final_hidden teacher's projection (tied models: the embeddings)."""
     return target_model.get_output_embeddings().weight.detach()

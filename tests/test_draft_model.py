@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tasks.draft_model import (DraftConfig, Eagle3Draft, load_target_embeddings, target_head_weight, ttt_attention,
-                               ttt_attention_mask)
+from tasks.draft_model import (DraftConfig, Eagle3Draft, init_head_from_target, load_target_embeddings,
+                               target_final_norm_weight, target_head_weight, ttt_attention, ttt_attention_mask)
 from tasks.ttt import Batch, collate, step_targets, step_valid_mask, teacher_targets, ttt_loss
 from tasks.extract import Extracted, ExtractSettings, HFExtractor, default_aux_layer_ids
 
@@ -144,6 +144,27 @@ def test_vocab_is_checked_and_embeddings_frozen(tiny):
 
 
 # ---- attention and alignment -----------------------------------------------------------------------
+
+def test_a_head_started_from_the_target_gives_the_targets_logits_over_the_draft_vocab(tiny):
+    target = copy.deepcopy(tiny)
+    with torch.no_grad():
+        target.model.norm.weight.uniform_(0.5, 1.5)  # a final norm that is not all ones, so copying it shows
+    draft = _draft(target)
+    head, norm = target_head_weight(target), target_final_norm_weight(target)
+    hidden = torch.randn(2, 5, H)
+    with torch.no_grad():
+        want = target.lm_head(target.model.norm(hidden))[..., draft.draft_to_target]
+        assert not torch.allclose(draft.lm_head(draft.norm(hidden)), want, atol=1e-2)  # a random head: unrelated
+        init_head_from_target(draft, head, norm)
+        torch.testing.assert_close(draft.lm_head(draft.norm(hidden)), want, rtol=1e-5, atol=1e-5)
+    assert draft.lm_head.weight.requires_grad and draft.norm.weight.requires_grad  # a start, not frozen
+    with pytest.raises(ValueError, match="set_vocab"):
+        init_head_from_target(Eagle3Draft(draft.config), head, norm)
+    with pytest.raises(ValueError, match="target head has shape"):
+        init_head_from_target(draft, head[:-1], norm)
+    with pytest.raises(ValueError, match="final norm has shape"):
+        init_head_from_target(draft, head, norm[:-1])
+
 
 def test_ttt_attention_mask_and_attention_follow_it():
     mask = ttt_attention_mask(torch.tensor([[1, 1, 1, 0]], dtype=torch.bool), step=2)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file
 
@@ -93,6 +94,24 @@ def test_a_round_learns_is_consumed_deleted_exported_and_traceable(extracted, tm
     assert again.resumed_from_step == s.step and again.rounds_done == 2 and again.step > s.step
     _, rounds = store.query_readonly("SELECT round, samples FROM train_rounds ORDER BY round")
     assert rounds == [(0, 24), (1, 8)]
+
+
+def test_a_draft_started_from_the_target_head_checkpoints_the_targets_rows_and_final_norm(extracted, tiny_target):
+    from transformers import AutoModelForCausalLM
+
+    ws = extracted
+    # one step at a tiny rate: Adam moves each weight by about the rate, so the start shows through
+    s = train(train_config(ws, tiny_target, init="target_head", max_steps=1, lr=1e-7, warmup_steps=0))
+    assert s.stopped_by == "max_steps" and s.step == 1
+    _, weights = _final_weights(ws)
+    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    rows = weights["d2t"] + torch.arange(weights["d2t"].numel())
+    torch.testing.assert_close(weights["lm_head.weight"], target.lm_head.weight.detach()[rows], rtol=0, atol=1e-5)
+    torch.testing.assert_close(weights["norm.weight"], target.model.norm.weight.detach(), rtol=0, atol=1e-5)
+    # lineage records how the draft started
+    _, recorded = LineageStore(ws / "lineage.duckdb").query_readonly(
+        "SELECT json_extract_string(train_config, '$.init') FROM train_runs WHERE run_name = 't'")
+    assert recorded == [("target_head",)]
 
 
 def _cli_config(ws: Path, cfg: TrainConfig, path: Path) -> Path:
