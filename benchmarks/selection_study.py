@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -296,10 +295,22 @@ def run(args: argparse.Namespace) -> None:
 
                 print(f"{pack(root / 'answers', ANSWERS)} answers packed into {ANSWERS}", flush=True)
                 if results.exists():
-                    shutil.copyfile(results, ROOT / "benchmarks" / "results" / "selection.jsonl")
+                    merge_points(results, ROOT / "benchmarks" / "results" / "selection.jsonl")
         if api is not None:
             api.terminate()
     print(f"\nstudy wall time this run: {time.monotonic() - started:.0f} s\n")
+
+
+def merge_points(measured: Path, kept: Path) -> int:
+    """Append to `kept` each line of `measured` it lacks; returns how many. Points that earlier runs on
+    other machines measured stay (a fresh machine's run holds only its own); a point measured again is
+    a later line for its key, which load_results reads as the current one."""
+    have = set(kept.read_text().splitlines()) if kept.exists() else set()
+    new = [line for line in measured.read_text().splitlines() if line.strip() and line not in have]
+    if new:
+        with kept.open("a") as f:
+            f.write("".join(line + "\n" for line in new))
+    return len(new)
 
 
 def _annotate(results: Path, row: dict, extra: dict) -> None:

@@ -329,7 +329,9 @@ class TrainConfig(Strict):
     ttt_steps: int = Field(default=7, ge=1, le=16)
     init: Literal["random", "target_head"] = Field(
         default="random", description="How a new draft starts. target_head: lm_head from the target's head rows of the "
-                                      "draft vocab and norm from the target's final norm (the rest random).")
+                                      "draft vocab and norm from the target's final norm (the rest random); on SmolLM2 "
+                                      "it measured worse than random at 12.5K and 25K tokens (benchmarks/README, "
+                                      "selection).")
     step_decay: float = Field(default=0.8, gt=0, le=1)
     epochs: int = Field(default=1, ge=1, description="Passes over each round's shards.")
     batch_tokens: int = Field(default=8192, ge=16, description="Padded tokens per micro-batch.")

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from benchmarks.scaling_results import append_result
-from benchmarks.selection_study import ARMS, arm_config, report, tokens_to_reach
+from benchmarks.selection_study import ARMS, arm_config, merge_points, report, tokens_to_reach
 from serving.embedded import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,3 +104,18 @@ def test_a_packed_cache_seeds_another_machines_cache_with_the_same_answers(tmp_p
     before = archive.read_bytes()
     pack(cache, archive)
     assert archive.read_bytes() == before  # the same cache packs the same bytes
+
+
+def test_a_run_on_a_fresh_machine_adds_its_points_to_the_kept_ones_and_keeps_the_earlier_machines(tmp_path):
+    from benchmarks.scaling_results import load_results
+
+    kept, measured = tmp_path / "kept.jsonl", tmp_path / "measured.jsonl"
+    for arm, size, acc in (("uniform", 12_500, 1.10), ("acceptance", 12_500, 1.11)):
+        append_result(kept, {"arm": arm, "size": size, "k": 3, "eagle3_heldout_chat": acc, "run_name": arm})
+    # this machine measured uniform again and a new arm; the earlier acceptance point is not in its file
+    for arm, size, acc in (("uniform", 12_500, 1.11), ("uniform-head", 12_500, 1.06)):
+        append_result(measured, {"arm": arm, "size": size, "k": 3, "eagle3_heldout_chat": acc, "run_name": arm})
+    assert merge_points(measured, kept) == 2
+    assert merge_points(measured, kept) == 0  # a second merge adds nothing
+    points = {key: r["eagle3_heldout_chat"] for key, r in load_results(kept).items()}
+    assert points == {"uniform/12500/k3": 1.11, "acceptance/12500/k3": 1.11, "uniform-head/12500/k3": 1.06}
