@@ -17,7 +17,7 @@ from its own lineage, so "equal regenerated tokens" is each arm's own count.
 Resumable: every point is one JSON line per (arm, size, k) in `<workspace>/reports/selection.jsonl`
 (the scaling study's results format), and every stage is the pipeline's crash-safe flow; a rerun
 skips what is measured. Across machines (`runs/` does not move): the answers are packed into
-benchmarks/results/selection-answers.jsonl.gz and the points copied to
+benchmarks/results/selection-answers.jsonl.gz and the points appended to
 benchmarks/results/selection.jsonl at the end of a run; a run on a fresh machine starts its cache
 from the packed answers, so it retrains and remeasures, but regenerates only what is new. The report (`--report`, also printed at the end): per size and arm, held-out
 chat and HumanEval acceptance, the ratios to prompt lookup and to the final-state-only draft, the
