@@ -591,6 +591,8 @@ def init_head_from_target(draft: Eagle3Draft, head_weight: torch.Tensor, final_n
     training tokens most rows see almost none. The target's own rows already map a target-like
     final state to its tokens, which is what the draft's last hidden is trained to become (its
     teacher is the target's distribution). Call after `set_vocab` (the rows are chosen by d2t).
+    Measured on SmolLM2 it trains worse than a random head (benchmarks/README, "selection"): behind a
+    random `fc` and midlayer, the target's sharp head starts confidently wrong.
     """
     v, h = draft.config.target_vocab_size, draft.config.hidden_size
     if tuple(head_weight.shape) != (v, h):
