@@ -610,10 +610,10 @@ def init_head_from_target(draft: Eagle3Draft, head_weight: torch.Tensor, final_n
 
 def target_final_norm_weight(target_model: PreTrainedModel | nn.Module) -> torch.Tensor:
     """The weight of the target's final RMSNorm, the one its lm_head reads (Llama and DeepSeek-V3 layouts)."""
-    base = getattr(target_model, getattr(target_model, "base_model_prefix", "model"), None)
-    norm = getattr(base, "norm", None)
+    prefix = getattr(target_model, "base_model_prefix", "model")
+    norm = getattr(getattr(target_model, prefix, None), "norm", None)
     if norm is None or getattr(norm, "weight", None) is None:
-        raise ValueError(f"{type(target_model).__name__} has no final norm at .{target_model.base_model_prefix}.norm: "
+        raise ValueError(f"{type(target_model).__name__} has no final norm at .{prefix}.norm: "
                          "train.init: target_head needs it")
     return norm.weight.detach()
 
