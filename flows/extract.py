@@ -44,7 +44,8 @@ from tasks.extract import Extractor, ExtractSettings, build_extractor, default_a
 from tasks.rounds import extract_key, plan_shard, sample_id, tokenize_key
 from tasks.shard_job import ShardJob, ShardOutcome, WorkerSpec, run_shard_job, run_shard_job_on_worker
 from tasks.extract_vllm import open_vllm_extractor, text_config
-from tasks.target import TargetFiles, TargetIdentity, load_configured_target, load_configured_target_files
+from tasks.target import (TargetFiles, TargetIdentity, load_configured_target, load_configured_target_files,
+                          resolve_target_dtype)
 from tasks.vocab import DraftVocab, TokenCounter, build_draft_vocab, coverage_report, load_vocab, save_vocab
 
 READ_CHUNK = 256  # generations read and tokenised at a time
@@ -77,6 +78,7 @@ class ExtractSummary:
     seconds: float = 0.0
     reasons: list = field(default_factory=list)
     workers: int = 1
+    target_dtype: str = ""  # what the target computed in (`target.dtype: auto` depends on the machine)
     worker_pids: list[int] = field(default_factory=list)  # the processes that extracted this run's shards
 
 
@@ -195,6 +197,9 @@ def _extract(config: ExtractConfig, store: LineageStore, ws: Path, summary: Extr
     else:
         model, tokenizer, identity = load_target_task(config)
         model_config = model.config
+    summary.target_dtype = (resolve_target_dtype(config.target.dtype) if model is None
+                            else str(model.dtype).removeprefix("torch."))
+    logger.info("the target computes in %s (target.dtype: %s)", summary.target_dtype, config.target.dtype)
     num_layers = model_config.num_hidden_layers
     hidden_size = model_config.hidden_size
     settings = ExtractSettings(aux_layer_ids=config.aux_layer_ids or default_aux_layer_ids(num_layers),

@@ -249,7 +249,10 @@ class TargetConfig(Strict):
     model_path: str | None = Field(default=None, description="A transformers folder or hub id (safetensors only).")
     revision: str | None = Field(default=None, description="Hub revision to pin (model_path only).")
     trust_remote_code: bool = Field(default=False, description="Only when you trust the model's own code.")
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    dtype: Literal["auto", "bfloat16", "float32"] = Field(default="auto", description=(
+        "What the target computes in. auto: bfloat16 on a GPU or on a CPU with bf16 instructions (AVX512-BF16, "
+        "AMX), float32 on a CPU without them, where bf16 is emulated (extraction 4.9x slower). States are stored as "
+        "`extract.storage` says either way."))
     device: str = Field(default="auto", description="'auto' (cuda when present), 'cpu', 'cuda', 'cuda:1', ...")
 
     @model_validator(mode="after")

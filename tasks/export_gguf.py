@@ -241,7 +241,7 @@ def _tree_commit(tree: Path) -> str:
 
 
 def target_folder_for(gguf: str | None = None, model_path: str | None = None, revision: str | None = None,
-                      dtype: str = "bfloat16", cache_dir: Path | None = None) -> Path:
+                      dtype: str = "auto", cache_dir: Path | None = None) -> Path:
     """An HF folder (config.json + tokenizer files) of a configured target (`TargetConfig`'s fields).
 
     A GGUF target (default: SmolLM2's) uses the cached safetensors folder `load_target` writes
@@ -250,10 +250,11 @@ def target_folder_for(gguf: str | None = None, model_path: str | None = None, re
     if model_path is None:
         import torch
 
-        from tasks.target import PROVENANCE_FILE, load_target, smollm2_gguf_path, target_cache_folder
+        from tasks.target import (PROVENANCE_FILE, load_target, resolve_target_dtype, smollm2_gguf_path,
+                                  target_cache_folder)
 
         path = Path(gguf) if gguf else smollm2_gguf_path()
-        torch_dtype = getattr(torch, dtype)
+        torch_dtype = getattr(torch, resolve_target_dtype(dtype))
         folder = target_cache_folder(path, cache_dir, torch_dtype)
         if not (folder / PROVENANCE_FILE).is_file():
             load_target(path, cache_dir, torch_dtype)

@@ -27,7 +27,7 @@ from serving.vllm_server import (VllmHiddenStatesServer, VllmLaunch, clear_state
 from tasks.config import ExtractConfig
 from tasks.extract import (Extracted, ExtractSettings, Quarantined, Sample, TopkTeacher, as_result, precheck_samples,
                            record_from_states, validate_aux_layer_ids)
-from tasks.target import TargetFiles, resolve_device
+from tasks.target import TargetFiles, resolve_device, resolve_target_dtype
 
 # Model types whose final norm is RMSNorm as `weight * x / rms(x)` (Llama's). Gemma's adds 1 to the
 # weight, and others differ again: computing those with this formula would be silently wrong.
@@ -164,7 +164,7 @@ def open_vllm_extractor(config: ExtractConfig, files: TargetFiles, settings: Ext
     clear_states_dir(states_dir)
     launch = VllmLaunch(
         model=files.folder, layer_ids=vllm_layer_ids(settings.aux_layer_ids, text.num_hidden_layers),
-        states_dir=states_dir, dtype=config.target.dtype, tensor_parallel_size=v.tensor_parallel_size,
+        states_dir=states_dir, dtype=resolve_target_dtype(config.target.dtype), tensor_parallel_size=v.tensor_parallel_size,
         max_model_len=v.max_model_len or config.max_length + 1, max_num_seqs=v.max_num_seqs,
         max_num_batched_tokens=v.max_num_batched_tokens, gpu_memory_utilization=v.gpu_memory_utilization,
         cpu_kvcache_space_gib=v.cpu_kvcache_space_gib, enforce_eager=v.enforce_eager,

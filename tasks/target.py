@@ -2,6 +2,8 @@
 
 Owns finding the GGUF, its identity (revision = file hash, chat template = GGUF metadata, the
 template the llama.cpp server applies), loading it with transformers, and greedy decoding.
+Also owns the target's compute dtype: `auto` is bf16 on a GPU or a CPU with bf16 instructions,
+float32 on a CPU without them (where torch emulates bf16: SmolLM2's extraction 4.9x slower, benchmarks/README).
 Promises: the GGUF is converted once per (file content, dtype) to a safetensors folder in a cache,
 written atomically (a crash never leaves a half folder that a later call would load); the first
 call and every later call give models with identical logits; nothing runs remote code.
@@ -205,10 +207,46 @@ class TargetIdentity:
         return "sha256:" + hashlib.sha256(self.chat_template.encode()).hexdigest()[:16]
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str | torch.device) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+# The CPU flags of bf16 arithmetic: x86's AVX512-BF16 and AMX-BF16, Arm's BF16 (Linux /proc/cpuinfo names).
+CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The feature flags a /proc/cpuinfo text lists (x86 `flags`, Arm `Features`)."""
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return frozenset(flags)
+
+
+@functools.lru_cache(maxsize=1)
+def this_cpu_flags() -> frozenset[str] | None:
+    """This machine's CPU flags, or None where /proc/cpuinfo cannot be read (not Linux)."""
+    try:
+        return cpu_flags(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return None
+
+
+def resolve_target_dtype(dtype: str, device: str | torch.device = "auto",
+                         flags: frozenset[str] | None = None) -> str:
+    """The dtype the target computes in: `dtype` itself, or for `auto` bfloat16 on an accelerator or on a
+    CPU with bf16 instructions, float32 on a CPU without them. `flags` default to this CPU's; a CPU whose
+    flags cannot be read keeps bfloat16, the dtype served targets run in."""
+    if dtype != "auto":
+        return dtype
+    if resolve_device(device).type != "cpu":
+        return "bfloat16"
+    flags = this_cpu_flags() if flags is None else flags
+    return "bfloat16" if flags is None or flags & CPU_BF16_FLAGS else "float32"
 
 
 @dataclass(frozen=True)
@@ -222,7 +260,7 @@ class TargetFiles:
 
 
 def load_configured_target_files(gguf: str | None, model_path: str | None, revision: str | None = None,
-                                 trust_remote_code: bool = False, dtype: str = "bfloat16",
+                                 trust_remote_code: bool = False, dtype: str = "auto",
                                  cache_dir: Path | None = None) -> TargetFiles:
     """The configured target's local folder, config, tokenizer and identity, as `load_configured_target` names them.
 
@@ -233,9 +271,10 @@ def load_configured_target_files(gguf: str | None, model_path: str | None, revis
 
     if model_path is None:
         path = Path(gguf) if gguf else smollm2_gguf_path()
-        folder = target_cache_folder(path, cache_dir, getattr(torch, dtype))
+        torch_dtype = getattr(torch, resolve_target_dtype(dtype))
+        folder = target_cache_folder(path, cache_dir, torch_dtype)
         if not (folder / PROVENANCE_FILE).is_file():
-            load_target(path, cache_dir, getattr(torch, dtype))  # converts once, atomically
+            load_target(path, cache_dir, torch_dtype)  # converts once, atomically
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
         return TargetFiles(folder, config, tokenizer, TargetIdentity(path.stem, gguf_revision(path), gguf_chat_template(path)))
@@ -263,14 +302,14 @@ def _served_template(tokenizer: PreTrainedTokenizerBase, model_path: str) -> str
 
 
 def load_configured_target(gguf: str | None, model_path: str | None, revision: str | None = None,
-                           trust_remote_code: bool = False, dtype: str = "bfloat16", device: str = "auto",
+                           trust_remote_code: bool = False, dtype: str = "auto", device: str = "auto",
                            cache_dir: Path | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, TargetIdentity]:
     """The extract/train target: a GGUF (default: SmolLM2's), or a transformers folder or hub id.
 
     A hub or folder model loads safetensors only; its own code runs only with `trust_remote_code`.
     The chat template is the one the server applies: the GGUF's, or the tokenizer's.
     """
-    torch_dtype = getattr(torch, dtype)
+    torch_dtype = getattr(torch, resolve_target_dtype(dtype, device))
     if model_path is None:
         path = Path(gguf) if gguf else smollm2_gguf_path()
         model, tokenizer = load_target(path, cache_dir, torch_dtype)

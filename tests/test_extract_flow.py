@@ -71,6 +71,7 @@ def test_extract_end_to_end_states_equal_a_direct_forward(prefect_api, tmp_path,
     s = extract(extract_config(workspace, tiny_target))
     assert (s.extracted, s.skipped, s.quarantined) == (24, 1, 0)
     assert s.stopped_by == "done" and s.shards_written > 1 and s.aux_layer_ids == [1, 3, 4]
+    assert s.target_dtype == "float32"  # as configured
     store = LineageStore(workspace / "lineage.duckdb")
     assert_exactly_once(workspace, store, 25)
     (reason,) = [r[5] for r in sample_rows(store) if r[1] == "skipped"]
@@ -230,6 +231,10 @@ def test_the_real_smollm2_target_with_fp8_and_topk(prefect_api, tmp_path, worksp
     import_generations(workspace, tmp_path, conversations(4, seed=6))
     s = extract(extract_config(workspace, None, storage="fp8", teacher="topk", topk=8, draft_vocab_size=256))
     assert s.extracted == 4 and s.aux_layer_ids == [1, 14, 26]
+    # The default `target.dtype: auto`: bf16 where this CPU computes it, float32 where it would be emulated.
+    from tasks.target import resolve_target_dtype
+
+    assert s.target_dtype == resolve_target_dtype("auto", "cpu")
     store = LineageStore(workspace / "lineage.duckdb")
     name, row = next(iter(store.live_shards().items()))
     records, _, meta = read_shard(ShardStore(workspace / "shards", 1 << 40), name, row["sha256"])

@@ -192,3 +192,33 @@ def test_greedy_generate_in_bf16_keeps_what_holds_for_any_greedy_path(converted)
     assert float(gaps.max()) < BF16_MARGIN_NATS, gaps
     if len(out) < budget:
         assert min(float(lp[-1].max() - lp[-1, s]) for s in stops) < BF16_MARGIN_NATS
+
+
+X86_AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma f16c bmi2\n"
+X86_BF16 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n"
+X86_AMX = "processor\t: 0\nflags\t\t: fpu avx2 avx512f amx_tile amx_bf16\n"
+ARM_BF16 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
+
+
+def test_auto_dtype_is_float32_only_on_a_cpu_without_bf16_instructions(monkeypatch):
+    # AVX2 only: torch emulates bf16 there (SmolLM2 extraction 4.9x slower than in float32), so auto
+    # computes in float32.
+    assert T.resolve_target_dtype("auto", "cpu", T.cpu_flags(X86_AVX2)) == "float32"
+    for cpuinfo in (X86_BF16, X86_AMX, ARM_BF16):
+        assert T.resolve_target_dtype("auto", "cpu", T.cpu_flags(cpuinfo)) == "bfloat16", cpuinfo
+    assert T.resolve_target_dtype("auto", "cpu", frozenset()) == "float32"
+    # An explicit dtype is kept as given.
+    assert T.resolve_target_dtype("bfloat16", "cpu", T.cpu_flags(X86_AVX2)) == "bfloat16"
+    assert T.resolve_target_dtype("float32", "cpu", T.cpu_flags(X86_AMX)) == "float32"
+    # This machine: whatever it is, auto follows its own flags.
+    flags = T.this_cpu_flags()
+    expected = "bfloat16" if flags is None or flags & T.CPU_BF16_FLAGS else "float32"
+    assert T.resolve_target_dtype("auto", "cpu") == expected
+    # Flags that cannot be read (not Linux) keep bf16, the dtype served targets run in.
+    monkeypatch.setattr(T, "this_cpu_flags", lambda: None)
+    assert T.resolve_target_dtype("auto", "cpu") == "bfloat16"
+
+
+def test_the_configured_target_loads_in_the_dtype_auto_resolves_to(float32_target):
+    model, _, _ = T.load_configured_target(None, None, dtype="auto", device="cpu", cache_dir=SHARED_CACHE)
+    assert str(model.dtype).removeprefix("torch.") == T.resolve_target_dtype("auto", "cpu")
