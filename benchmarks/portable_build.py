@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -26,19 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import load, table  # noqa: E402
+from benchmarks.report import cpu_name, load, table  # noqa: E402
 from serving.llama_build import NATIVE_CMAKE_ARGS, PORTABLE_CMAKE_ARGS, build_tool  # noqa: E402
 from tasks.target import smollm2_gguf_path  # noqa: E402
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def cpu_flags() -> str:

@@ -1,9 +1,10 @@
-"""Output helpers shared by the benchmarks: markdown tables, MiB, load average, wall+CPU clocks."""
+"""Output helpers shared by the benchmarks: markdown tables, MiB, load average, CPU name, wall+CPU clocks."""
 
 from __future__ import annotations
 
 import atexit
 import os
+import platform
 import shutil
 import tempfile
 import time
@@ -32,6 +33,17 @@ def mib(n: float, digits: int = 2) -> str:
 def load() -> str:
     """The load average: benchmarks on a shared machine say how busy it was."""
     return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def cpu_name() -> str:
+    """The CPU's model name: results from machines of one kind differ by CPU."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 class Clock:
