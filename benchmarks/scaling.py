@@ -221,6 +221,7 @@ class Costs:
     extract_tokens: int = 0
     extract_masked: int = 0
     extract_s: float = 0.0
+    target_dtype: str = ""  # what the target computed the states in (`target.dtype: auto` follows the CPU)
     train_positions: int = 0
     train_s: float = 0.0
     rounds: int = 0
@@ -234,7 +235,7 @@ class Costs:
             "regen_tokens": self.regen_tokens, "regen_s": self.regen_s,
             "extract_tok_s": self.extract_tokens / self.extract_s if self.extract_s else None,
             "extract_masked_tok_s": self.extract_masked / self.extract_s if self.extract_s else None,
-            "extract_tokens": self.extract_tokens, "extract_s": self.extract_s,
+            "extract_tokens": self.extract_tokens, "extract_s": self.extract_s, "target_dtype": self.target_dtype,
             "train_tok_s": self.train_positions / self.train_s if self.train_s else None,
             "train_positions": self.train_positions, "train_s": self.train_s, "rounds": self.rounds,
         }
@@ -389,6 +390,7 @@ class Study:
                 costs.extract_s += time.monotonic() - t1
                 costs.extract_tokens += s.tokens
                 costs.extract_masked += s.masked_tokens
+                costs.target_dtype = s.target_dtype
                 print(f"extract: {s.extracted} samples, {s.tokens:,} tokens ({s.stopped_by})", flush=True)
             before = trained_positions(self.store, run_name)
             t1 = time.monotonic()
@@ -453,6 +455,7 @@ class Study:
         costs.extract_s += time.monotonic() - t1
         costs.extract_tokens += s.tokens
         costs.extract_masked += s.masked_tokens
+        costs.target_dtype = s.target_dtype
         before = trained_positions(cstore, run_name)
         t1 = time.monotonic()
         train(train_cfg.model_copy(update={"workspace": str(cws), "run_name": run_name}))

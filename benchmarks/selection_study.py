@@ -7,7 +7,9 @@ draft, continued round after round; sizes in loss-masked training tokens):
 - `acceptance`: `regenerate.selection: acceptance`; after each round the probe (flows/probe.py)
   measures the new draft per cluster on held-out prompts past the benchmark's, and the next round's
   regenerate draws more where it accepts least. The first round has no probe yet: uniform;
-- `uniform-seed1`: `uniform` with `train.seed: 1`, the noise floor (same data, another seed).
+- `uniform-seed1`: `uniform` with `train.seed: 1`, the noise floor (same data, another seed);
+- `uniform-head` (`train.init: target_head`) and `uniform-f32` (the target in float32 in every stage):
+  `uniform`'s data with one change.
 Every arm discovers the same sources with the same config, so the arms choose from the same
 prompts and are measured on the same held-out chat prompts and HumanEval. Their regenerate runs
 ask one llama-server through a caching proxy (benchmarks/answer_cache.py): a prompt two arms
@@ -51,7 +53,10 @@ ARMS = {"uniform": {"selection": "uniform", "seed": None},
         "acceptance": {"selection": "acceptance", "seed": None},
         "uniform-seed1": {"selection": "uniform", "seed": 1},
         # uniform's data, a draft whose head starts from the target's (train.init: target_head)
-        "uniform-head": {"selection": "uniform", "seed": None, "train": {"init": "target_head"}}}
+        "uniform-head": {"selection": "uniform", "seed": None, "train": {"init": "target_head"}},
+        # uniform's data, the target computing in float32 in every stage (what `target.dtype: auto` picks on
+        # a CPU without bf16 instructions; the study's config pins bf16, which the earlier points used)
+        "uniform-f32": {"selection": "uniform", "seed": None, "target": {"dtype": "float32"}}}
 DEFAULT_SIZES = [12_500, 25_000, 50_000]
 # The target's answers the arms asked for, kept in git: a later session, on another machine, starts
 # its cache with them and regenerates only what no earlier session asked.
@@ -89,7 +94,7 @@ def quick_config(cfg):
 
 
 def arm_config(cfg, root: Path, arm: str, proxy_url: str, revision: str, template_id: str):
-    """The study config for one arm: its workspace, the proxy as its server, its selection and seed."""
+    """The study config for one arm: its workspace, the proxy as its server, its selection, seed and overrides."""
     from tasks.config import PipelineConfig
 
     data = cfg.model_dump(mode="json")
@@ -106,6 +111,9 @@ def arm_config(cfg, root: Path, arm: str, proxy_url: str, revision: str, templat
     if ARMS[arm]["seed"] is not None:
         data["train"]["seed"] = ARMS[arm]["seed"]
     data["train"].update(ARMS[arm].get("train", {}))
+    for stage in ("extract", "train", "benchmark", "probe"):  # every stage that runs the target
+        if data.get(stage) is not None:
+            data[stage]["target"].update(ARMS[arm].get("target", {}))
     return PipelineConfig.model_validate(data)
 
 

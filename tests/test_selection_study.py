@@ -43,6 +43,10 @@ def test_each_arm_gets_its_workspace_selection_seed_and_the_proxy():
     # everything that decides the data is the same in every arm: the comparison is the selection alone
     same = lambda c: (c.discover.model_dump(exclude={"workspace"}), c.extract.model_dump(exclude={"workspace"}))  # noqa: E731
     assert same(arms["uniform"]) == same(arms["acceptance"]) == same(arms["uniform-seed1"])
+    # the study is one recipe (bf16) on every machine; the f32 arm changes the target's dtype in every stage
+    for arm, c in arms.items():
+        want = "float32" if arm == "uniform-f32" else "bfloat16"
+        assert {c.extract.target.dtype, c.train.target.dtype, c.benchmark.target.dtype, c.probe.target.dtype} == {want}
 
 
 def test_the_report_compares_arms_with_the_noise_floor(tmp_path):
