@@ -57,6 +57,7 @@ ARMS = {"uniform": {"selection": "uniform", "seed": None},
         # uniform's data, the target computing in float32 in every stage (what `target.dtype: auto` picks on
         # a CPU without bf16 instructions; the study's config pins bf16, which the earlier points used)
         "uniform-f32": {"selection": "uniform", "seed": None, "target": {"dtype": "float32"}}}
+PLOT_STYLES = {"uniform": "o-", "acceptance": "s-", "uniform-seed1": "x:", "uniform-head": "^--", "uniform-f32": "d-"}
 DEFAULT_SIZES = [12_500, 25_000, 50_000]
 # The target's answers the arms asked for, kept in git: a later session, on another machine, starts
 # its cache with them and regenerates only what no earlier session asked.
@@ -201,7 +202,8 @@ def plot(results: Path, out: Path, k: int = 3) -> Path | None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, dom, title in zip(axes, ("heldout_chat", "humaneval"), ("held-out chat", "HumanEval")):
-        for arm, style in (("uniform", "o-"), ("acceptance", "s-"), ("uniform-seed1", "x:"), ("uniform-head", "^--")):
+        for arm in ARMS:  # every arm, so a new one is never left out of the plot
+            style = PLOT_STYLES.get(arm, "d-.")
             pts = sorted((r["train_tokens"], r[f"eagle3_{dom}"]) for r in rows
                          if r["arm"] == arm and r.get(f"eagle3_{dom}") is not None)
             if pts:

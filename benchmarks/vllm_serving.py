@@ -7,7 +7,7 @@ then vLLM alone again (a warning if the machine's speed changed meanwhile). Ever
 against the baseline's ids (lossless), acceptance and acceptance by position come from vLLM's own
 per-request counters, and the break-even acceptance per k is measured from each config's verify
 round cost. The offline evaluator's acceptance for the same draft, prompts and k is read from the
-scaling study's results when the draft is one of its points, else measured here (`--offline`).
+scaling or selection study's results when the draft is one of their points, else measured here (`--offline`).
 
 The draft: a speculators export, or an SGLang export (the scaling study writes those), converted here
 once into `<draft>-speculators` through the project's own export (tasks/export.py).
@@ -54,8 +54,9 @@ def speculators_folder(draft: Path, target_folder: Path) -> Path:
 
 
 def offline_from_study(draft: Path, k: int, max_new: int, prompts: int) -> float | None:
-    """The scaling study's offline held-out chat acceptance of this export at k (same prompts, same length)."""
-    for path in (ROOT / "runs" / "scaling" / "reports" / "scaling.jsonl",):
+    """The scaling or selection study's offline held-out chat acceptance of this export at k (same prompts)."""
+    for path in (ROOT / "runs" / "scaling" / "reports" / "scaling.jsonl",
+                 ROOT / "runs" / "selection" / "reports" / "selection.jsonl"):
         if not path.is_file():
             continue
         for line in path.read_text().splitlines():

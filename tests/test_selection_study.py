@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from benchmarks.scaling_results import append_result
-from benchmarks.selection_study import ARMS, arm_config, merge_points, report, tokens_to_reach
+from benchmarks.selection_study import ARMS, arm_config, merge_points, plot, report, tokens_to_reach
 from serving.embedded import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,6 +62,23 @@ def test_the_report_compares_arms_with_the_noise_floor(tmp_path):
     assert "| 25,000 | acceptance | 1.45 | 1.21 | 1.16 | 1.20 | 0.92 | 25,000 | 10 | 20.0% |" in text
     assert "size 12,500: heldout_chat: acceptance - uniform 0.000 (noise floor |seed1 - uniform| 0.010)" in text
     assert "heldout_chat: the uniform arm's best 1.400 (at 25,000 tokens); the acceptance arm reaches it at" in text
+
+
+def test_the_plot_draws_every_arm_that_has_points(tmp_path, monkeypatch):
+    # A plot that listed its arms by hand drew nothing for a new arm (uniform-f32's first run).
+    from matplotlib.figure import Figure
+
+    results = tmp_path / "selection.jsonl"
+    for i, arm in enumerate(ARMS):
+        for size in (12_500, 25_000):
+            append_result(results, {"arm": arm, "size": size, "k": 3, "train_tokens": size, "lookup_heldout_chat": 1.3,
+                                    "eagle3_heldout_chat": 1.1 + i / 100, "eagle3_humaneval": 1.1 + i / 100})
+    labels: list[set[str]] = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **kw: (
+        labels.extend({line.get_label() for line in ax.get_lines()} for ax in fig.axes), save(fig, *a, **kw))[1])
+    assert plot(results, tmp_path / "selection.png").is_file()
+    assert len(labels) == 2 and all(set(ARMS) <= panel for panel in labels)
 
 
 def test_the_answer_cache_answers_a_repeated_greedy_request_once(scripted, tmp_path):
