@@ -62,8 +62,8 @@ def main() -> int:
     print(f"target dtype benchmark  {datetime.date.today()}  {cpu_name()}  cores {os.cpu_count()}  torch "
           f"{torch.__version__} threads {torch.get_num_threads()}  bf16 flags {sorted(flags & CPU_BF16_FLAGS) or 'none'}  "
           f"auto -> {auto}  load average {load()}", flush=True)
-    models = {d: load_target(dtype=getattr(torch, d))[0] for d in DTYPES}
-    tokenizer = load_target(dtype=torch.float32)[1]
+    loaded = {d: load_target(dtype=getattr(torch, d)) for d in DTYPES}
+    models, tokenizer = {d: m for d, (m, _) in loaded.items()}, loaded["float32"][1]
     template = gguf_chat_template(smollm2_gguf_path())
     records = sharegpt_records(300)
     pool, _ = render(records, tokenizer, template)
