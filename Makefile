@@ -85,6 +85,7 @@ bench: install vllm
 	$(PY) benchmarks/teacher_storage.py
 	$(PY) benchmarks/extract_workers.py
 	$(PY) benchmarks/extract_vllm.py
+	$(PY) benchmarks/target_dtype.py
 	$(PY) benchmarks/pipeline.py
 
 clean:
