@@ -27,15 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import cpu_name, load, table  # noqa: E402
 from serving.llama_build import NATIVE_CMAKE_ARGS, PORTABLE_CMAKE_ARGS, build_tool  # noqa: E402
-from tasks.target import smollm2_gguf_path  # noqa: E402
+from tasks.target import smollm2_gguf_path, this_cpu_flags  # noqa: E402
 
 
 def cpu_flags() -> str:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
+    have = this_cpu_flags()  # the project's reader of /proc/cpuinfo (tasks/target.py)
+    if not have:
         return "?"
-    have = set(flags.split(":", 1)[1].split())
     return ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "avx_vnni", "amx_tile") if f in have)
 
 
