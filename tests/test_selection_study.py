@@ -45,8 +45,12 @@ def test_each_arm_gets_its_workspace_selection_seed_and_the_proxy():
     assert same(arms["uniform"]) == same(arms["acceptance"]) == same(arms["uniform-seed1"])
     # the study is one recipe (bf16) on every machine; the f32 arm changes the target's dtype in every stage
     for arm, c in arms.items():
-        want = "float32" if arm == "uniform-f32" else "bfloat16"
+        want = "float32" if arm.startswith("uniform-f32") else "bfloat16"
         assert {c.extract.target.dtype, c.train.target.dtype, c.benchmark.target.dtype, c.probe.target.dtype} == {want}
+    # the steps arm is uniform-f32 with the recipe's optimizer steps changed, and nothing else
+    steps, f32 = arms["uniform-f32-steps"], arms["uniform-f32"]
+    assert (steps.train.epochs, steps.train.batch_tokens) == (4, 2048) != (f32.train.epochs, f32.train.batch_tokens)
+    assert same(steps) == same(f32) and steps.regenerate.selection == f32.regenerate.selection == "uniform"
 
 
 def test_the_report_compares_arms_with_the_noise_floor(tmp_path):
@@ -62,6 +66,16 @@ def test_the_report_compares_arms_with_the_noise_floor(tmp_path):
     assert "| 25,000 | acceptance | 1.45 | 1.21 | 1.16 | 1.20 | 0.92 | 25,000 | 10 | 20.0% |" in text
     assert "size 12,500: heldout_chat: acceptance - uniform 0.000 (noise floor |seed1 - uniform| 0.010)" in text
     assert "heldout_chat: the uniform arm's best 1.400 (at 25,000 tokens); the acceptance arm reaches it at" in text
+    # an arm read against another than uniform: the steps arm against uniform-f32
+    for arm, size, chat in (("uniform-f32", 12_500, 1.30), ("uniform-f32", 25_000, 1.40),
+                            ("uniform-f32-steps", 12_500, 1.38), ("uniform-f32-steps", 25_000, 1.50)):
+        append_result(results, {"arm": arm, "size": size, "k": 3, "train_tokens": size, "eagle3_heldout_chat": chat,
+                                "eagle3_humaneval": 1.1})
+    text = report(results)
+    assert "size 25,000: heldout_chat: uniform-f32-steps - uniform-f32 0.100 (noise floor" in text
+    assert ("heldout_chat: the uniform-f32 arm's best 1.400 (at 25,000 tokens); the uniform-f32-steps arm reaches it "
+            "at 14,031 tokens (56% of uniform-f32's)") in text
+    assert "acceptance - uniform" in text  # the acceptance arm's lines stay
 
 
 def test_the_plot_draws_every_arm_that_has_points(tmp_path, monkeypatch):
