@@ -242,29 +242,11 @@ def _tree_commit(tree: Path) -> str:
 
 def target_folder_for(gguf: str | None = None, model_path: str | None = None, revision: str | None = None,
                       dtype: str = "auto", cache_dir: Path | None = None) -> Path:
-    """An HF folder (config.json + tokenizer files) of a configured target (`TargetConfig`'s fields).
+    """The configured target's config and tokenizer folder (`tasks.target.configured_target_folder`,
+    without a hub target's weights: the export reads neither weights nor model code)."""
+    from tasks.target import configured_target_folder  # torch and transformers: only when a target is needed
 
-    A GGUF target (default: SmolLM2's) uses the cached safetensors folder `load_target` writes
-    (writing it first if needed); a local folder is itself; a hub id is its cached snapshot.
-    """
-    if model_path is None:
-        import torch
-
-        from tasks.target import (PROVENANCE_FILE, load_target, resolve_target_dtype, smollm2_gguf_path,
-                                  target_cache_folder)
-
-        path = Path(gguf) if gguf else smollm2_gguf_path()
-        torch_dtype = getattr(torch, resolve_target_dtype(dtype))
-        folder = target_cache_folder(path, cache_dir, torch_dtype)
-        if not (folder / PROVENANCE_FILE).is_file():
-            load_target(path, cache_dir, torch_dtype)
-        return folder
-    if Path(model_path).is_dir():
-        return Path(model_path)
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(model_path, revision=revision,
-                                  allow_patterns=["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken"]))
+    return configured_target_folder(gguf, model_path, revision, dtype, cache_dir, weights=False)
 
 
 def _target_config(target_folder: Path) -> dict[str, Any]:

@@ -259,31 +259,42 @@ class TargetFiles:
     identity: TargetIdentity
 
 
-def load_configured_target_files(gguf: str | None, model_path: str | None, revision: str | None = None,
-                                 trust_remote_code: bool = False, dtype: str = "auto",
-                                 cache_dir: Path | None = None) -> TargetFiles:
-    """The configured target's local folder, config, tokenizer and identity, as `load_configured_target` names them.
+def configured_target_folder(gguf: str | None, model_path: str | None, revision: str | None = None,
+                             dtype: str = "auto", cache_dir: Path | None = None, weights: bool = True) -> Path:
+    """The local HF folder (config.json, tokenizer files) of a configured target (`TargetConfig`'s fields).
 
-    A GGUF's folder is its converted safetensors cache (converted here on first use); a hub id is
-    downloaded (safetensors and configs only) to the hub cache.
+    A GGUF target (default: SmolLM2's) is its converted safetensors cache, converted here on first use
+    (atomically); a local folder is itself; a hub id is its snapshot in the hub cache, with the weights
+    and the model's code only if `weights` (the GGUF export reads the config and tokenizer alone).
     """
-    from transformers import AutoConfig, AutoTokenizer
-
     if model_path is None:
         path = Path(gguf) if gguf else smollm2_gguf_path()
         torch_dtype = getattr(torch, resolve_target_dtype(dtype))
         folder = target_cache_folder(path, cache_dir, torch_dtype)
         if not (folder / PROVENANCE_FILE).is_file():
-            load_target(path, cache_dir, torch_dtype)  # converts once, atomically
+            load_target(path, cache_dir, torch_dtype)
+        return folder
+    if Path(model_path).is_dir():
+        return Path(model_path)
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken"] + (["*.safetensors", "*.py"] if weights else [])
+    return Path(snapshot_download(model_path, revision=revision, allow_patterns=patterns))
+
+
+def load_configured_target_files(gguf: str | None, model_path: str | None, revision: str | None = None,
+                                 trust_remote_code: bool = False, dtype: str = "auto",
+                                 cache_dir: Path | None = None) -> TargetFiles:
+    """The configured target's local folder (`configured_target_folder`), config, tokenizer and identity,
+    as `load_configured_target` names them."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = configured_target_folder(gguf, model_path, revision, dtype, cache_dir)
+    if model_path is None:
+        path = Path(gguf) if gguf else smollm2_gguf_path()
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
         return TargetFiles(folder, config, tokenizer, TargetIdentity(path.stem, gguf_revision(path), gguf_chat_template(path)))
-    folder = Path(model_path)
-    if not folder.is_dir():
-        from huggingface_hub import snapshot_download
-
-        folder = Path(snapshot_download(model_path, revision=revision,
-                                        allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]))
     kwargs = {"revision": revision, "trust_remote_code": trust_remote_code}
     tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
     config = AutoConfig.from_pretrained(folder, **kwargs)
