@@ -31,6 +31,7 @@ the plot goes to `reports/selection.png`.
 
     nice -n 15 .venv/bin/python benchmarks/selection_study.py --sizes 12500 25000 50000
     .venv/bin/python benchmarks/selection_study.py --report
+    .venv/bin/python benchmarks/selection_study.py --report --results benchmarks/results/selection.jsonl
 """
 
 from __future__ import annotations
@@ -373,6 +374,9 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=400, help="most prompts per regenerate call")
     ap.add_argument("--chunk-min", type=int, default=16)
     ap.add_argument("--report", action="store_true", help="only print the report and draw the plot")
+    ap.add_argument("--results", type=Path, default=None,
+                    help="report and plot these points instead of the workspace's (e.g. benchmarks/results/selection.jsonl, "
+                         "every machine's points)")
     ap.add_argument("--quick", action="store_true", help="smoke run: runs/selection-quick, sizes 1500 3000")
     args = ap.parse_args()
     from tasks.config import load_config
@@ -382,11 +386,11 @@ def main() -> None:
         cfg = quick_config(cfg)
         args.sizes = [1500, 3000] if args.sizes == DEFAULT_SIZES else args.sizes
         args.chunk_min = 4
-    results = Path(cfg.workspace) / "reports" / "selection.jsonl"
     if not args.report:
         run(args)
+    results = args.results or Path(cfg.workspace) / "reports" / "selection.jsonl"
     print(report(results, args.ks[0]))
-    png = plot(results, results.parent / "selection.png", args.ks[0])
+    png = plot(results, Path(cfg.workspace) / "reports" / "selection.png", args.ks[0])
     if png:
         print(png)
 
