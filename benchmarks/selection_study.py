@@ -375,8 +375,8 @@ def main() -> None:
     ap.add_argument("--chunk-min", type=int, default=16)
     ap.add_argument("--report", action="store_true", help="only print the report and draw the plot")
     ap.add_argument("--results", type=Path, default=None,
-                    help="report and plot these points instead of the workspace's (e.g. benchmarks/results/selection.jsonl, "
-                         "every machine's points)")
+                    help="report and plot these points instead of the workspace's "
+                         "(e.g. benchmarks/results/selection.jsonl, every machine's points)")
     ap.add_argument("--quick", action="store_true", help="smoke run: runs/selection-quick, sizes 1500 3000")
     args = ap.parse_args()
     from tasks.config import load_config

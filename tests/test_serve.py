@@ -58,7 +58,7 @@ def test_serve_registers_schedules_shows_in_the_ui_and_runs_a_triggered_flow(pre
         while time.monotonic() < deadline:
             assert serve.poll() is None, serve.stdout.read()
             ids = deployment_ids(api, "nightly")
-            if len(ids) == 3 and all(httpx.get(f"{api}/deployments/{i}").json()["status"] == "READY"
+            if len(ids) == 3 and all(httpx.get(f"{api}/deployments/{i}", timeout=60).json().get("status") == "READY"
                                      for i in ids.values()):
                 break
             time.sleep(0.5)
