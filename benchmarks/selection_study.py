@@ -177,6 +177,11 @@ def report(results: Path, k: int = 3) -> str:
     seed = "uniform-seed1"  # the noise floor: uniform with another training seed
     compared = [(arm, spec["against"]) for arm, spec in ARMS.items() if spec.get("against")]
     value = lambda arm, size, key: (by.get((arm, size)) or {}).get(key)  # noqa: E731
+
+    def noise_at(size: int, key: str) -> float | None:
+        u, s = value("uniform", size, key), value(seed, size, key)
+        return abs(u - s) if u is not None and s is not None else None
+
     for size in sizes:
         for arm, ref in compared:
             if (arm, size) not in by:
@@ -184,11 +189,10 @@ def report(results: Path, k: int = 3) -> str:
             parts = []
             for dom in ("heldout_chat", "humaneval"):
                 key = f"eagle3_{dom}"
-                u, s, a = value("uniform", size, key), value(seed, size, key), value(arm, size, key)
-                noise = abs(u - s) if u is not None and s is not None else None
-                r = value(ref, size, key)
+                a, r = value(arm, size, key), value(ref, size, key)
                 delta = a - r if a is not None and r is not None else None
-                parts.append(f"{dom}: {arm} - {ref} {fmt(delta, 3)} (noise floor |seed1 - uniform| {fmt(noise, 3)})")
+                parts.append(f"{dom}: {arm} - {ref} {fmt(delta, 3)} "
+                             f"(noise floor |seed1 - uniform| {fmt(noise_at(size, key), 3)})")
             lines.append(f"size {size:,}: " + "; ".join(parts))
     for arm, ref in compared:
         for dom in ("heldout_chat", "humaneval"):
@@ -199,9 +203,7 @@ def report(results: Path, k: int = 3) -> str:
                 continue
             best_size, best = max(base, key=lambda x: (x[1], -x[0]))
             need = tokens_to_reach(curve, best)
-            noise = (abs(value(seed, best_size, key) - value("uniform", best_size, key))
-                     if value(seed, best_size, key) is not None and value("uniform", best_size, key) is not None
-                     else None)
+            noise = noise_at(best_size, key)
             gap = value(arm, best_size, key)
             caveat = ("" if noise is None or gap is None or abs(gap - best) > noise else
                       f"; but at {best_size:,} the arms differ by {abs(gap - best):.3f}, within the noise floor "
