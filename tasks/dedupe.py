@@ -213,22 +213,29 @@ def _signature_block(h: np.ndarray, doc: np.ndarray, n_docs: int, num_perm: int)
     vals = h & _U64((1 << (64 - bits)) - 1)
     sig = np.full(n_docs * num_perm, _EMPTY, dtype=_U64)
     np.minimum.at(sig, doc * num_perm + bins, vals)
-    sig = sig.reshape(n_docs, num_perm)
     original = sig != _EMPTY
-    rows, cols = np.nonzero(~original & original.any(axis=1)[:, None])
+    signed = original.reshape(n_docs, num_perm).any(axis=1)
     # Optimal densification, visiting only the empty bins: each takes the value of the first
-    # originally non-empty bin along its fixed donor sequence.
+    # originally non-empty bin along its fixed donor sequence. Bins are flat positions (a text's
+    # row start plus its column): one gather per attempt where (row, column) pairs took three,
+    # and this loop is most of a signature's cost on short texts, whose bins are mostly empty.
+    empty = np.flatnonzero(~original & np.repeat(signed, num_perm))
+    col = empty % num_perm
+    row_start = empty - col
     for donors in _densify_table(num_perm):
-        if not len(rows):
+        if not len(empty):
             break
-        d = donors[cols]
-        ok = original[rows, d]
-        sig[rows[ok], cols[ok]] = sig[rows[ok], d[ok]]
-        rows, cols = rows[~ok], cols[~ok]
-    if len(rows):  # texts with very few shingles: the first non-empty bin
-        first = original.argmax(axis=1)
-        sig[rows, cols] = sig[rows, first[rows]]
-    sig[~original.any(axis=1)] = 0
+        src = row_start + donors[col]
+        ok = original[src]
+        sig[empty[ok]] = sig[src[ok]]
+        left = ~ok
+        empty, col, row_start = empty[left], col[left], row_start[left]
+    sig = sig.reshape(n_docs, num_perm)
+    if len(empty):  # texts with very few shingles: the first non-empty bin
+        rows = empty // num_perm
+        first = original.reshape(n_docs, num_perm).argmax(axis=1)
+        sig[rows, col] = sig[rows, first[rows]]
+    sig[~signed] = 0
     return (sig & _U64(0xFFFFFFFF)).astype(np.uint32)
 
 

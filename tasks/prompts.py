@@ -67,17 +67,34 @@ def clean_content(text: str) -> str:
 def canonical_text(text: str) -> str:
     """The exact-dedupe form: NFKC, case-folded, whitespace runs collapsed to one space."""
     if text.isascii():  # NFKC leaves ASCII as it is and casefold is lower() there: the same text, 2x faster
+        if _single_spaced_ascii(text):  # nothing to collapse: split and join would rebuild the same text
+            return text.lower()
         return " ".join(text.lower().split())
     return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
+
+
+def _single_spaced_ascii(text: str) -> bool:
+    """An ASCII text whose only whitespace is single spaces between words. Every other ASCII
+    whitespace character (tab, newline, \\x0b-\\x0d, \\x1c-\\x1f) is a control character, which
+    `isprintable` refuses."""
+    return text.isprintable() and "  " not in text and text[:1] != " " and text[-1:] != " "
 
 
 def prompt_id_of(messages: list[dict]) -> str:
     # The bytes json.dumps(parts, ensure_ascii=False, separators=(",", ":")) gives, built from
     # its C string encoder directly: json.dumps makes a new encoder per call, a third of
     # discover's per-record cost at 10M records.
-    parts = ",".join(f"[{_json_str(m['role'])},{_json_str(canonical_text(m['content']))}]"
+    parts = ",".join(f"[{_json_str(m['role'])},{_json_text(canonical_text(m['content']))}]"
                      for m in messages if m["role"] != "assistant")
     return hashlib.sha256(f"[{parts}]".encode()).hexdigest()[:32]
+
+
+def _json_text(text: str) -> str:
+    """`encode_basestring(text)`: it escapes only quotes, backslashes and control characters, so
+    a printable text without the first two is itself in quotes, without a scan in Python's JSON."""
+    if text.isprintable() and '"' not in text and "\\" not in text:
+        return f'"{text}"'
+    return _json_str(text)
 
 
 def detect_format(data: dict) -> str | None:
@@ -137,6 +154,14 @@ def _turns_prompt_response(data: dict, prompt_field: str, response_field: str) -
     return turns
 
 
+_TURNS = {
+    "sharegpt": lambda data, prompt_field, response_field: _turns_sharegpt(data),
+    "openai": lambda data, prompt_field, response_field: _turns_openai(data),
+    "alpaca": lambda data, prompt_field, response_field: _turns_alpaca(data),
+    "prompt_response": _turns_prompt_response,
+}
+
+
 def normalise_record(
     data: dict | None,
     fmt: str = "auto",
@@ -166,21 +191,20 @@ def normalise_record(
         return Quarantine("format sharegpt: field 'conversations' is missing or not a list")
     if kind == "openai" and not isinstance(data.get("messages"), list):
         return Quarantine("format openai: field 'messages' is missing or not a list")
-    turns = {
-        "sharegpt": lambda: _turns_sharegpt(data),
-        "openai": lambda: _turns_openai(data),
-        "alpaca": lambda: _turns_alpaca(data),
-        "prompt_response": lambda: _turns_prompt_response(data, prompt_field, response_field),
-    }[kind]()
+    turns = _TURNS[kind](data, prompt_field, response_field)
     if isinstance(turns, str):
         return Quarantine(f"format {kind}: {turns}")
 
+    # Per record at 10M records: the loop keeps to dict lookups and one pass over the turns.
     messages: list[dict] = []
     dropped = 0
+    has_user = False
     for i, (raw_role, content) in enumerate(turns):
-        role = ROLE_MAP.get(str(raw_role).strip().lower())
+        role = ROLE_MAP.get(raw_role) if type(raw_role) is str else None  # most roles are a key as written
         if role is None:
-            return Quarantine(f"turn {i}: unknown role {raw_role!r}")
+            role = ROLE_MAP.get(str(raw_role).strip().lower())
+            if role is None:
+                return Quarantine(f"turn {i}: unknown role {raw_role!r}")
         if not isinstance(content, str):
             return Quarantine(f"turn {i} ({role}): content is {type(content).__name__}, not text")
         content = clean_content(content)
@@ -189,14 +213,15 @@ def normalise_record(
         if role == "system":
             if messages:
                 return Quarantine(f"turn {i}: system turn after the conversation started")
-        elif role == "assistant" and not any(m["role"] == "user" for m in messages):
+        elif role == "assistant" and not has_user:
             dropped += 1
             continue
         if messages and messages[-1]["role"] == role:
             messages[-1] = {"role": role, "content": messages[-1]["content"] + "\n\n" + content}
         else:
             messages.append({"role": role, "content": content})
-    if not any(m["role"] == "user" for m in messages):
+            has_user = has_user or role == "user"
+    if not has_user:
         return Quarantine("no user turn")
     while messages[-1]["role"] == "assistant" and not keep_final_answer:
         messages.pop()

@@ -15,7 +15,7 @@ import pytest
 
 from storage.lineage import LineageStore
 from tasks.config import NearDedupeConfig
-from tasks.dedupe import band_keys, cluster, lsh_params, ngram_hashes, signatures
+from tasks.dedupe import _densify_table, _EMPTY, band_keys, cluster, lsh_params, ngram_hashes, signatures
 from tasks.outcomes import decide_and_write, decide_outcomes
 from tasks.prompts import canonical_text
 from tasks.sources import RawRecord
@@ -108,6 +108,31 @@ def test_signatures_are_identical_in_another_process():
     out = subprocess.run([sys.executable, "-c", code, json.dumps(texts)], capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "123", "PATH": ""})
     assert json.loads(out.stdout) == signatures(texts).tolist()
+
+
+def test_empty_bins_take_the_value_of_their_first_non_empty_donor():
+    # Short texts leave most of the 128 bins empty, so densification decides most of their values:
+    # checked here against the definition, one bin at a time.
+    texts = [" ".join(VOCAB[(7 * i + 3 * j) % len(VOCAB)] for j in range(n)) for i, n in
+             enumerate([1, 2, 5, 6, 9, 14, 30, 60, 130] * 3)]
+    num_perm = 128
+    hashes, doc = ngram_hashes(texts, ngram=5)
+    bins, vals = (hashes >> np.uint64(57)).astype(int), hashes & np.uint64((1 << 57) - 1)
+    donors = _densify_table(num_perm)
+    got = signatures(texts, num_perm)
+    for t in range(len(texts)):
+        raw = [int(_EMPTY)] * num_perm
+        for b, v in zip(bins[doc == t], vals[doc == t]):
+            raw[b] = min(raw[b], int(v))
+        filled = [c for c in range(num_perm) if raw[c] != int(_EMPTY)]
+        want = []
+        for c in range(num_perm):
+            if raw[c] != int(_EMPTY):
+                want.append(raw[c])
+                continue
+            donor = next((int(d[c]) for d in donors if raw[int(d[c])] != int(_EMPTY)), filled[0])
+            want.append(raw[donor])
+        assert got[t].tolist() == [w & 0xFFFFFFFF for w in want], f"text {t} ({len(texts[t].split())} words)"
 
 
 def test_batch_canonicalisation_matches_canonical_text():

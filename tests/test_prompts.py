@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import unicodedata
+
 import pytest
 
-from tasks.prompts import Prompt, Quarantine, canonical_text, normalise_record
+from tasks.prompts import Prompt, Quarantine, canonical_text, normalise_record, prompt_id_of
 
 
 def sg(*turns):
@@ -74,3 +78,33 @@ def test_prompt_id_ignores_case_whitespace_unicode_form_and_assistant_turns():
     c = normalise_record(sg(("human", "hello world café!"), ("gpt", "x"), ("human", "next")))
     assert a.prompt_id == b.prompt_id != c.prompt_id
     assert canonical_text("  A\u00a0b\tC ") == "a b c"
+
+
+# Texts at the edges of canonical_text's and prompt_id_of's shortcuts for single-spaced, printable text.
+EDGE_TEXTS = [
+    "plain words only", "Mixed CASE Words", "two  spaces", " leading", "trailing ", "tab\there", "new\nline",
+    "crlf\r\nend", "vt\x0bff\x0c", "seps\x1c\x1d\x1e\x1fend", "bell\x07inside", "del\x7finside",
+    'a "quoted" word', "back\\slash", "nul\x00byte", "café au lait", "ﬁne ligature", "Straße",
+    "nbsp\u00a0here", "line\u2028sep", "\u3000ideographic space", "emoji 🙂 ok", "x",
+]
+
+
+def reference_canonical(text: str) -> str:
+    return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
+
+
+@pytest.mark.parametrize("text", EDGE_TEXTS)
+def test_canonical_text_and_prompt_id_agree_with_their_definitions(text):
+    assert canonical_text(text) == reference_canonical(text)
+    messages = [{"role": "system", "content": "Be \"brief\"."}, {"role": "user", "content": text},
+                {"role": "assistant", "content": "ignored"}, {"role": "user", "content": text + " again"}]
+    parts = [[m["role"], reference_canonical(m["content"])] for m in messages if m["role"] != "assistant"]
+    expected = hashlib.sha256(json.dumps(parts, ensure_ascii=False, separators=(",", ":")).encode()).hexdigest()[:32]
+    assert prompt_id_of(messages) == expected
+
+
+def test_roles_are_matched_as_written_or_after_trimming_and_lower_casing():
+    assert normalise_record(sg((" Human ", "hi"), ("GPT", "a"), ("user", "more"))).messages == [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "more"}]
+    bad = normalise_record({"conversations": [{"from": 7, "value": "hi"}]})
+    assert bad == Quarantine("turn 0: unknown role 7")
