@@ -317,7 +317,8 @@ def run(args: argparse.Namespace) -> None:
                     p = probe(st.cfg.probe_section(required=True))
                     print(f"{arm} {size:,}: probe {p.probe_id}: " + ", ".join(
                         f"{r['cluster']} {fmt(r['acceptance'])} ({r['prompts']})" for r in p.rows), flush=True)
-                print(f"{arm} {size:,}: trained positions {trained_positions(st.store, arm):,}", flush=True)
+                print(f"{arm} {size:,}: {trained_positions(st.store, arm):,} positions trained by the arm so far",
+                      flush=True)
     finally:
         if proxy is not None:
             proxy.terminate()
