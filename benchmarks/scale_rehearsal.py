@@ -447,7 +447,8 @@ def measure_queries(ws: Path, cfg: Path, env: dict) -> dict:
 
 
 def gb(n: float) -> str:
-    return f"{n / 2**30:.2f} GB"
+    # Both units: the figures were once labelled GB while in GiB (7% apart at 4 GB).
+    return f"{n / 2**30:.2f} GiB ({n / 1e9:.2f} GB)"
 
 
 def report(state: dict) -> str:
