@@ -282,6 +282,8 @@ def extract(
     if summary.first_mismatch:
         console.print(f"[yellow]server ids differed[/yellow] in {summary.ids_mismatched} of {summary.ids_checked}; "
                       f"first: {summary.first_mismatch}", highlight=False)
+    if summary.vocab_warning:
+        console.print(f"[yellow]draft vocab[/yellow]: {summary.vocab_warning}", highlight=False)
     if summary.stopped_by == "budget":
         console.print("[yellow]disk budget full[/yellow]: train on the written shards (they are deleted once consumed), "
                       "then run extract again for the next samples", highlight=False)

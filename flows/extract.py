@@ -46,7 +46,8 @@ from tasks.shard_job import ShardJob, ShardOutcome, WorkerSpec, run_shard_job, r
 from tasks.extract_vllm import open_vllm_extractor, text_config
 from tasks.target import (TargetFiles, TargetIdentity, load_configured_target, load_configured_target_files,
                           resolve_target_dtype)
-from tasks.vocab import DraftVocab, TokenCounter, build_draft_vocab, coverage_report, load_vocab, save_vocab
+from tasks.vocab import (DraftVocab, TokenCounter, build_draft_vocab, coverage_report, load_vocab, save_vocab,
+                         thin_vocab_warning, vocab_drift_warning)
 
 READ_CHUNK = 256  # generations read and tokenised at a time
 
@@ -56,7 +57,9 @@ class ExtractSummary:
     run_id: str
     extract_key: str = ""
     vocab_id: str = ""
-    vocab_coverage: float = 0.0
+    vocab_coverage: float = 0.0  # of the tokens the vocab was built from
+    extracted_vocab_coverage: float | None = None  # of the loss-masked tokens this run extracted
+    vocab_warning: str | None = None  # tasks.vocab.vocab_drift_warning: this run's tokens covered worse than its own
     aux_layer_ids: list[int] = field(default_factory=list)
     pending_at_start: int = 0
     shards_written: int = 0
@@ -140,7 +143,7 @@ def draft_vocab_for(ctx: StageContext, run_id: str, logger) -> tuple[DraftVocab,
                 counter.add(t.result.input_ids, t.result.loss_mask)
                 samples += 1
     vocab = build_draft_vocab(counter.counts, cfg.draft_vocab_size)
-    report = coverage_report(vocab)
+    report = {**coverage_report(vocab), "warning": thin_vocab_warning(vocab)}
     rel = Path("vocab") / f"{ctx.tokenize_key}-{cfg.draft_vocab_size}.safetensors"
     save_vocab(vocab, ctx.workspace / rel)
     digest = file_sha256(ctx.workspace / rel)
@@ -152,6 +155,8 @@ def draft_vocab_for(ctx: StageContext, run_id: str, logger) -> tuple[DraftVocab,
         "report": report})
     logger.info("draft vocab %s: %d of %d target tokens, coverage %.4f of %d loss-masked tokens from %d samples",
                 vocab_id, vocab.draft_vocab_size, vocab.target_vocab_size, vocab.coverage, report["total_tokens"], samples)
+    if report["warning"] is not None:
+        logger.warning(report["warning"])
     return vocab, vocab_id, report
 
 
@@ -250,11 +255,19 @@ def _extract(config: ExtractConfig, store: LineageStore, ws: Path, summary: Extr
     pending = store.pending_generations(ekey, config.generation_params_keys, config.limit)
     summary.pending_at_start = len(pending)
     summary.peak_disk_bytes = shards.used_bytes()
+    extracted_tokens = TokenCounter(vocab.target_vocab_size)
     if not pending:
         logger.info("nothing to extract: every generation has a sample under extract key %s", ekey)
     else:
         with executor as submit:
-            _rounds(ctx, pending, ekey, settings, hidden_size, submit, max_in_flight, shards, summary, logger)
+            _rounds(ctx, pending, ekey, settings, hidden_size, submit, max_in_flight, shards, summary, extracted_tokens,
+                    logger)
+    if extracted_tokens.tokens_seen:
+        extracted = coverage_report(vocab, extracted_tokens.counts)
+        summary.extracted_vocab_coverage = extracted["coverage"]
+        summary.vocab_warning = vocab_drift_warning(vocab, extracted)
+        if summary.vocab_warning is not None:
+            logger.warning(summary.vocab_warning)
     summary.disk_used_bytes = shards.used_bytes()
     summary.seconds = time.monotonic() - started
     counts = store.extract_summary(summary.run_id)
@@ -350,7 +363,7 @@ class _InFlight:
 
 def _rounds(ctx: StageContext, pending: list[tuple[str, str, str]], ekey: str, settings: ExtractSettings,
             hidden_size: int, submit: Submit, max_in_flight: int, shards: ShardStore, summary: ExtractSummary,
-            logger) -> None:
+            extracted_tokens: TokenCounter, logger) -> None:
     store, cfg = ctx.store, ctx.config
     artifact_id = create_progress_artifact(progress=0.0, key="extract-progress", description="extract: generations done")
     seq = store.last_shard_seq()
@@ -411,6 +424,8 @@ def _rounds(ctx: StageContext, pending: list[tuple[str, str, str]], ekey: str, s
                 if plan.count == len(queue) and not exhausted:
                     break  # a fuller shard is possible once the next chunk is tokenised
                 taken, queue = queue[:plan.count], queue[plan.count:]
+                for _, _, t in taken:  # what the vocab must cover: tasks.vocab.vocab_drift_warning
+                    extracted_tokens.add(t.result.input_ids, t.result.loss_mask)  # type: ignore[union-attr]
                 seq += 1
                 job = ShardJob(name=f"{ekey[:8]}-{seq:06d}.safetensors", extract_key=ekey, settings=settings,
                                sample_ids=[s for s, _, _ in taken],
@@ -472,7 +487,10 @@ def summary_table(s: ExtractSummary) -> list[dict]:
         {"what": "peak disk (B)", "value": s.peak_disk_bytes},
         {"what": "stopped by", "value": s.stopped_by},
         {"what": "server ids checked / mismatched", "value": f"{s.ids_checked} / {s.ids_mismatched}"},
-        {"what": "draft vocab coverage", "value": round(s.vocab_coverage, 4)},
+        {"what": "draft vocab coverage (tokens it was built from)", "value": round(s.vocab_coverage, 4)},
+        {"what": "draft vocab coverage (tokens extracted now)",
+         "value": None if s.extracted_vocab_coverage is None else round(s.extracted_vocab_coverage, 4)},
+        {"what": "draft vocab warning", "value": s.vocab_warning or "none"},
         {"what": "aux layer ids (output of layer i)", "value": str(s.aux_layer_ids)},
         {"what": "uncommitted shard files removed", "value": s.removed_leftovers},
         {"what": "extraction workers", "value": s.workers},

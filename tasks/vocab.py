@@ -6,7 +6,8 @@ deterministic (count descending, then target id ascending; unseen ids fill up in
 draft ids follow ascending target id, so `d2t[i] = target_id(i) - i` is a non-decreasing int64
 offset and `d2t + arange(n)` is exactly what SGLang builds as `hot_token_id`; `validate_vocab`
 names every way these tensors can be silently wrong (CONTRACTS.md, silent failure 5); the file is
-written atomically and read without pickle.
+written atomically and read without pickle. A vocab is fixed once built, so it also says when one was
+built from too little data, or covers the tokens extracted later worse than those it was chosen from.
 """
 
 from __future__ import annotations
@@ -337,3 +338,37 @@ def coverage_report(vocab: DraftVocab, counts: np.ndarray | None = None) -> dict
         "top_k_share": top_share,
         "top_missed": [[int(i), int(c[i])] for i in worst],
     }
+
+
+# Coverage points the tokens extracted later may fall below the vocab's build coverage before a warning:
+# a few points is sampling noise between rounds; a vocab chosen from too little data loses far more.
+VOCAB_DRIFT_TOLERANCE = 0.02
+
+
+def thin_vocab_warning(vocab: DraftVocab) -> str | None:
+    """A warning when the vocab was built from data too small to fill it; None when it was not."""
+    if not vocab.n_filled:
+        return None
+    return (f"the draft vocab was built from {int(vocab.counts.sum()):,} loss-masked tokens, which used only "
+            f"{vocab.n_seen:,} distinct target ids: {vocab.n_filled:,} of its {vocab.draft_vocab_size:,} ids were "
+            "never seen. It stays fixed for this tokenisation, so tokens that later rounds bring and it lacks can "
+            "never be drafted; regenerate more before the first extract")
+
+
+def vocab_drift_warning(vocab: DraftVocab, later: dict[str, Any],
+                        tolerance: float = VOCAB_DRIFT_TOLERANCE) -> str | None:
+    """A warning when `later` (`coverage_report(vocab, counts)` of tokens extracted after the vocab was built)
+    is covered more than `tolerance` below the tokens the vocab was built from; None when it is not.
+
+    The draft can never propose a target id outside its vocab, and training masks those positions:
+    a vocab chosen on a first small round caps acceptance for every later round, with no error.
+    """
+    if not later["total_tokens"] or later["coverage"] >= vocab.coverage - tolerance:
+        return None
+    missed = ", ".join(f"{i} ({n:,})" for i, n in later["top_missed"][:5])
+    return (f"the draft vocab covers {later['coverage']:.1%} of the {later['total_tokens']:,} loss-masked tokens "
+            f"extracted now, against {vocab.coverage:.1%} of the {int(vocab.counts.sum()):,} it was built from: "
+            f"the draft can never propose the other {1 - later['coverage']:.1%}, and training masks them "
+            f"(target ids missed most, with counts: {missed}). The vocab is fixed for this tokenisation; to build "
+            "one from every generation so far, extract with another draft_vocab_size (a new extract key: "
+            "everything is extracted again) and train a new run_name")

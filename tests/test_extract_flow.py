@@ -132,6 +132,30 @@ def test_rounds_fill_the_budget_and_continue_after_consumed_shards_are_deleted(p
         store.mark_shard_deleted(next(k for k, v in store.live_shards().items() if v["state"] == "written"))
 
 
+def test_a_vocab_fixed_on_a_thin_first_round_is_flagged_when_later_rounds_bring_tokens_it_lacks(
+        prefect_api, tmp_path, workspace, tiny_target):
+    # Round one answers with four words, round two with the helpers' varied text: the vocab, built on
+    # round one and fixed since, cannot produce most of round two's tokens.
+    few = [{"messages": [{"role": "user", "content": f"q{i} count"},
+                         {"role": "assistant", "content": " ".join(["one two three four"] * (i + 2))}]} for i in range(6)]
+    import_generations(workspace, tmp_path, few, name="first")
+    cfg = extract_config(workspace, tiny_target)
+    first = extract(cfg)
+    assert first.extracted == 6 and first.extracted_vocab_coverage == first.vocab_coverage == 1.0
+    assert first.vocab_warning is None
+    store = LineageStore(workspace / "lineage.duckdb")
+    _, built = store.query_readonly(f"SELECT report FROM draft_vocabs WHERE vocab_id = '{first.vocab_id}'")
+    assert "ids were never seen" in json.loads(built[0][0])["warning"]
+
+    import_generations(workspace, tmp_path, conversations(12, seed=5), name="second")
+    second = extract(cfg)
+    assert second.extracted == 12 and second.vocab_id == first.vocab_id
+    assert second.extracted_vocab_coverage < 0.9
+    assert f"covers {second.extracted_vocab_coverage:.1%} of the" in second.vocab_warning
+    _, runs = store.query_readonly(f"SELECT summary FROM runs WHERE run_id = '{second.run_id}'")
+    assert json.loads(runs[0][0])["vocab_warning"] == second.vocab_warning
+
+
 def poison_aux_layer_1(monkeypatch, forward_call: int, poison) -> None:
     """Replace the aux-layer-1 states (`hidden_states[2]`) of the extractor's n-th forward by `poison(states)`."""
     real = HFExtractor._forward

@@ -15,7 +15,9 @@ from tasks.vocab import (
     coverage_report,
     load_vocab,
     save_vocab,
+    thin_vocab_warning,
     validate_vocab,
+    vocab_drift_warning,
 )
 
 
@@ -98,6 +100,26 @@ def test_hand_example_coverage_offsets_and_fill():
     held = np.array([4, 1, 0, 0, 0, 0, 0, 5], dtype=np.int64)
     assert coverage_report(v, held)["coverage"] == 0.1
     assert coverage_report(v, held)["top_missed"] == [[7, 5], [0, 4]]
+
+
+def test_a_fixed_vocab_warns_when_built_thin_or_when_later_tokens_fall_outside_it():
+    counts = np.array([4, 0, 0, 10, 6, 0, 0, 0], dtype=np.int64)
+    full = build_draft_vocab(counts, 3)  # three ids seen, three slots
+    assert full.n_filled == 0 and thin_vocab_warning(full) is None
+    thin = build_draft_vocab(counts, 5)  # two of five slots hold ids the data never showed
+    assert "built from 20 loss-masked tokens" in thin_vocab_warning(thin)
+    assert "2 of its 5 ids were never seen" in thin_vocab_warning(thin)
+    # Later tokens like the build's: no warning; 1 point below: within tolerance; 25 points below: named.
+    assert vocab_drift_warning(full, coverage_report(full, counts * 3)) is None
+    assert vocab_drift_warning(full, coverage_report(full, np.array([33, 0, 0, 33, 33, 1, 0, 0]))) is None
+    later = coverage_report(full, np.array([3, 0, 0, 3, 3, 0, 0, 3]))
+    warning = vocab_drift_warning(full, later)
+    assert later["coverage"] == 0.75
+    assert "covers 75.0% of the 12 loss-masked tokens extracted now, against 100.0% of the 20" in warning
+    assert "(target ids missed most, with counts: 7 (3))" in warning
+    assert vocab_drift_warning(full, later, tolerance=0.3) is None
+    nothing = coverage_report(full, np.zeros(8, dtype=np.int64))
+    assert vocab_drift_warning(full, nothing) is None
 
 
 def test_round_trip_matches_sglang_hot_token_id():
