@@ -154,6 +154,10 @@ def test_a_vocab_fixed_on_a_thin_first_round_is_flagged_when_later_rounds_bring_
     assert f"covers {second.extracted_vocab_coverage:.1%} of the" in second.vocab_warning
     _, runs = store.query_readonly(f"SELECT summary FROM runs WHERE run_id = '{second.run_id}'")
     assert json.loads(runs[0][0])["vocab_warning"] == second.vocab_warning
+    # The remedy the warning names: another size builds a vocab from every generation so far.
+    rebuilt = extract(cfg.model_copy(update={"draft_vocab_size": cfg.draft_vocab_size + 1}))
+    assert rebuilt.vocab_id != first.vocab_id and rebuilt.extracted == 18
+    assert rebuilt.extracted_vocab_coverage == rebuilt.vocab_coverage and rebuilt.vocab_warning is None
 
 
 def poison_aux_layer_1(monkeypatch, forward_call: int, poison) -> None:
