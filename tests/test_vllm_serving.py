@@ -142,7 +142,7 @@ def test_the_verdict_compares_the_draft_with_the_engines_ngram():
              "speedup_vs_baseline": 1.0, "output_tok_s": 40.0, "acceptance": 1.1}]
     lines = verdict_lines(rows)
     assert lines[0].startswith("concurrency 1: on vLLM the EAGLE-3 draft is faster than the baseline: best 1.20x "
-                               "(eagle3-k1); 1.20x vLLM's ngram-k3.")
+                               "(eagle3-k1); 1.20x as fast as vLLM's ngram-k3.")
     assert "k=1 needs 1.12 (measured 1.35)" in lines[0]
     assert lines[1] == "concurrency 1: vLLM's ngram-k3: 1.00x the baseline, acceptance 1.10."
 
