@@ -425,6 +425,8 @@ class Study:
         from tasks.target import embedded_identity
 
         arm, slug = ablation_arm(change)
+        if self.arm != MAIN:  # an arm of another study (benchmarks/selection_study.py): its controls carry its name
+            arm = f"{self.arm} {arm}"
         ks = missing_ks(self.done, arm, size, self.ks)
         if not ks:
             print(f"{arm} {size:,}: measured, skipped", flush=True)

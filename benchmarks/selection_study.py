@@ -12,6 +12,11 @@ draft, continued round after round; sizes in loss-masked training tokens):
   `uniform`'s data with one change;
 - `uniform-f32-steps`: `uniform-f32` with 4x the optimizer steps on the same tokens (4 epochs of
   2,048-token batches), read against `uniform-f32`.
+From-scratch controls and ablations (`--controls N`, `--ablate CHANGE` at `--ablate-size`): a fresh draft on
+the arm's first N tokens, plain or with one change (benchmarks/scaling.py `Study.control_point`), in
+`<arm>/controls/`; named `<arm> scratch[ <change>]`, an ablation read against its arm's plain control.
+E.g. `--ablate extract.draft_vocab_file=<the arm's vocab>`: the arm's own vocab, built on its first round,
+against the control's, built from all N tokens.
 Every arm discovers the same sources with the same config, so the arms choose from the same
 prompts and are measured on the same held-out chat prompts and HumanEval. Their regenerate runs
 ask one llama-server through a caching proxy (benchmarks/answer_cache.py): a prompt two arms
@@ -50,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
-from benchmarks.scaling import Study, trained_positions  # noqa: E402
+from benchmarks.scaling import Study, parse_change, trained_positions  # noqa: E402
 from benchmarks.scaling_results import fmt, load_results  # noqa: E402
 
 # Each arm changes one thing; "against" names the arm it is read against (report: the difference at each
@@ -148,6 +153,12 @@ def arm_data(store) -> dict:
 
 # ---------------------------------------------------------------- report
 
+def arms_of(rows: list[dict]) -> list[str]:
+    """The study's arms in ARMS order, then the from-scratch controls and ablations measured on them
+    (`--controls`, `--ablate`: named `<arm> scratch[ <change>]`)."""
+    return list(ARMS) + sorted({r["arm"] for r in rows} - set(ARMS))
+
+
 def report(results: Path, k: int = 3) -> str:
     rows = [r for r in load_results(results).values() if r["k"] == k]
     if not rows:
@@ -160,7 +171,7 @@ def report(results: Path, k: int = 3) -> str:
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     ratio = lambda a, b: None if a is None or not b else a / b  # noqa: E731
     for size in sizes:
-        for arm in ARMS:
+        for arm in arms_of(rows):
             r = by.get((arm, size))
             if r is None:
                 continue
@@ -176,6 +187,8 @@ def report(results: Path, k: int = 3) -> str:
     lines.append("")
     seed = "uniform-seed1"  # the noise floor: uniform with another training seed
     compared = [(arm, spec["against"]) for arm, spec in ARMS.items() if spec.get("against")]
+    # an ablation is read against the plain from-scratch control of its arm
+    compared += [(a, a.split(" scratch ")[0] + " scratch") for a in arms_of(rows) if " scratch " in a]
     value = lambda arm, size, key: (by.get((arm, size)) or {}).get(key)  # noqa: E731
 
     def noise_at(size: int, key: str) -> float | None:
@@ -225,7 +238,7 @@ def plot(results: Path, out: Path, k: int = 3) -> Path | None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, dom, title in zip(axes, ("heldout_chat", "humaneval"), ("held-out chat", "HumanEval")):
-        for arm in ARMS:  # every arm, so a new one is never left out of the plot
+        for arm in arms_of(rows):  # every arm, so a new one is never left out of the plot
             style = PLOT_STYLES.get(arm, "d-.")
             pts = sorted((r["train_tokens"], r[f"eagle3_{dom}"]) for r in rows
                          if r["arm"] == arm and r.get(f"eagle3_{dom}") is not None)
@@ -285,6 +298,7 @@ def run(args: argparse.Namespace) -> None:
             proxy_url = f"http://127.0.0.1:{proxy_port}"
             _wait_for(proxy_url)
             arms = list(args.arms)
+            changes = [parse_change(a) for a in args.ablate]  # a bad one fails before any work
             studies = {}
             for arm in arms:
                 acfg = arm_config(cfg, root, arm, proxy_url, revision, template_id)
@@ -319,6 +333,16 @@ def run(args: argparse.Namespace) -> None:
                         f"{r['cluster']} {fmt(r['acceptance'])} ({r['prompts']})" for r in p.rows), flush=True)
                 print(f"{arm} {size:,}: {trained_positions(st.store, arm):,} positions trained by the arm so far",
                       flush=True)
+            # From-scratch drafts on an arm's first N tokens (benchmarks/scaling.py `Study.control_point`),
+            # plain or with one change each, after every arm's points.
+            for arm in arms:
+                st = studies[arm]
+                for size, change in [(size, None) for size in args.controls] + [(args.ablate_size, c) for c in changes]:
+                    if "target" in shared:
+                        st._target = shared["target"]
+                    st.control_point(size, change)
+                    if st._target is not None:
+                        shared["target"] = st._target
     finally:
         if proxy is not None:
             proxy.terminate()
@@ -374,6 +398,12 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES)
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     ap.add_argument("--ks", type=int, nargs="+", default=[3])
+    ap.add_argument("--controls", type=int, nargs="*", default=[],
+                    help="sizes of from-scratch drafts on each arm's first N tokens (arm `<arm> scratch`)")
+    ap.add_argument("--ablate", nargs="*", default=[], metavar="SECTION.FIELD=VALUE[,...]",
+                    help="from-scratch drafts at --ablate-size with these fields changed, e.g. "
+                         "extract.draft_vocab_file=<a vocab> (arm `<arm> scratch <change>`)")
+    ap.add_argument("--ablate-size", type=int, default=50_000)
     ap.add_argument("--chunk", type=int, default=400, help="most prompts per regenerate call")
     ap.add_argument("--chunk-min", type=int, default=16)
     ap.add_argument("--report", action="store_true", help="only print the report and draw the plot")

@@ -17,6 +17,7 @@ that writes lineage (DuckDB has one writer), committing the shards in the order 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -35,7 +36,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from flows.regenerate import stage_lock
 from flows.runinfo import lineage_run
-from storage.datasets import file_sha256, read_generation_rows
+from storage.datasets import file_sha256, read_generation_rows, write_bytes_atomic
 from storage.lineage import LineageError, LineageStore
 from storage.shards import ShardStore
 from tasks.chat import Sample, Tokenised, tokenise_rows
@@ -123,10 +124,13 @@ load_target_files_task = task(_load_target_files, name="load-target-files", cach
 
 
 def draft_vocab_for(ctx: StageContext, run_id: str, logger) -> tuple[DraftVocab, str, dict]:
-    """The vocab of this tokenisation: built from every generation's loss-masked tokens the first
-    time, then loaded (checksum verified) so that later rounds keep the same draft ids."""
+    """The vocab of this tokenisation: the given file's (`draft_vocab_file`), else built from every
+    generation's loss-masked tokens the first time, then loaded (checksum verified) so that later rounds
+    keep the same draft ids."""
     cfg, store = ctx.config, ctx.store
-    row = store.draft_vocab(ctx.tokenize_key, cfg.draft_vocab_size)
+    given = _given_vocab(cfg) if cfg.draft_vocab_file else None
+    row = store.draft_vocab(ctx.tokenize_key, cfg.draft_vocab_size,
+                            hashlib.sha256(given[1]).hexdigest()[:16] if given else None)
     if row is not None:
         path = ctx.workspace / row["file"]
         if file_sha256(path) != row["sha256"]:
@@ -142,22 +146,49 @@ def draft_vocab_for(ctx: StageContext, run_id: str, logger) -> tuple[DraftVocab,
             if isinstance(t.result, Sample):
                 counter.add(t.result.input_ids, t.result.loss_mask)
                 samples += 1
-    vocab = build_draft_vocab(counter.counts, cfg.draft_vocab_size)
-    report = {**coverage_report(vocab), "warning": thin_vocab_warning(vocab)}
-    rel = Path("vocab") / f"{ctx.tokenize_key}-{cfg.draft_vocab_size}.safetensors"
-    save_vocab(vocab, ctx.workspace / rel)
+    if given is None:
+        vocab = build_draft_vocab(counter.counts, cfg.draft_vocab_size)
+        report = {**coverage_report(vocab), "warning": thin_vocab_warning(vocab)}
+        rel = Path("vocab") / f"{ctx.tokenize_key}-{cfg.draft_vocab_size}.safetensors"
+        save_vocab(vocab, ctx.workspace / rel)
+    else:  # its coverage is of this workspace's tokens; the drift check reads the one it was built with
+        vocab, data = given
+        digest = hashlib.sha256(data).hexdigest()
+        if vocab.target_vocab_size != len(ctx.tokenizer):
+            raise LineageError(f"draft_vocab_file {cfg.draft_vocab_file}: built for a target vocabulary of "
+                               f"{vocab.target_vocab_size} tokens; this target's tokenizer has {len(ctx.tokenizer)}")
+        report = {**coverage_report(vocab, counter.counts), "given": cfg.draft_vocab_file,
+                  "built_coverage": vocab.coverage, "warning": None}
+        rel = Path("vocab") / f"{ctx.tokenize_key}-{cfg.draft_vocab_size}-{digest[:16]}.safetensors"
+        write_bytes_atomic(data, ctx.workspace / rel)  # byte for byte, so the same id
     digest = file_sha256(ctx.workspace / rel)
     vocab_id = digest[:16]
     store.register_draft_vocab(run_id, {
         "vocab_id": vocab_id, "tokenize_key": ctx.tokenize_key, "file": str(rel), "sha256": digest,
         "draft_vocab_size": vocab.draft_vocab_size, "target_vocab_size": vocab.target_vocab_size,
-        "coverage": vocab.coverage, "counted_tokens": report["total_tokens"], "counted_samples": samples,
+        "coverage": report["coverage"], "counted_tokens": report["total_tokens"], "counted_samples": samples,
         "report": report})
-    logger.info("draft vocab %s: %d of %d target tokens, coverage %.4f of %d loss-masked tokens from %d samples",
-                vocab_id, vocab.draft_vocab_size, vocab.target_vocab_size, vocab.coverage, report["total_tokens"], samples)
+    logger.info("draft vocab %s%s: %d of %d target tokens, coverage %.4f of %d loss-masked tokens from %d samples",
+                vocab_id, f" (from {cfg.draft_vocab_file})" if given else "", vocab.draft_vocab_size,
+                vocab.target_vocab_size, report["coverage"], report["total_tokens"], samples)
     if report["warning"] is not None:
         logger.warning(report["warning"])
     return vocab, vocab_id, report
+
+
+def _given_vocab(cfg: ExtractConfig) -> tuple[DraftVocab, bytes]:
+    """The `draft_vocab_file` vocab (validated on load) and the file's bytes, whose sha256 names it (the
+    workspace keeps a byte-for-byte copy, so the id is the same in every workspace that uses the file)."""
+    path = Path(cfg.draft_vocab_file)
+    try:
+        data = path.read_bytes()
+        vocab = load_vocab(path)
+    except Exception as e:  # missing, not safetensors (safetensors' own error type), or not a valid vocab
+        raise LineageError(f"draft_vocab_file {path}: {e}") from e
+    if vocab.draft_vocab_size != cfg.draft_vocab_size:
+        raise LineageError(f"draft_vocab_file {path} holds {vocab.draft_vocab_size} draft tokens; draft_vocab_size "
+                           f"is {cfg.draft_vocab_size}: set it to {vocab.draft_vocab_size}")
+    return vocab, data
 
 
 vocab_task = task(draft_vocab_for, name="draft-vocab", cache_policy=NO_CACHE)
@@ -236,7 +267,7 @@ def _extract(config: ExtractConfig, store: LineageStore, ws: Path, summary: Extr
     summary.workers = config.workers
     distributed = config.workers > 1 or config.dask_address is not None
     if distributed:
-        row = store.draft_vocab(tkey, config.draft_vocab_size)
+        row = store.draft_vocab(tkey, config.draft_vocab_size, vocab_id)
         spec = WorkerSpec(
             target=config.target, backend=config.backend, settings=settings, max_batch_tokens=config.max_batch_tokens,
             vocab_path=str(ws / row["file"]), vocab_sha256=row["sha256"],

@@ -290,14 +290,16 @@ class LineageStore(NearIndexStore, ExactIndexStore, LineageReports, EvaluationRe
         with self.read() as con:
             return con.execute(sql, args).fetchall()
 
-    def draft_vocab(self, tokenize_key: str, draft_vocab_size: int) -> dict | None:
-        """The vocab built for this tokenisation and size, if any (the first one built is kept)."""
+    def draft_vocab(self, tokenize_key: str, draft_vocab_size: int, vocab_id: str | None = None) -> dict | None:
+        """The vocab registered for this tokenisation and size, if any: the first one (it is kept), or the one
+        with `vocab_id`."""
         if not self.path.exists():
             return None
         with self.read() as con:
             res = con.execute(
-                "SELECT * FROM draft_vocabs WHERE tokenize_key = ? AND draft_vocab_size = ? ORDER BY created_at LIMIT 1",
-                [tokenize_key, draft_vocab_size])
+                "SELECT * FROM draft_vocabs WHERE tokenize_key = ? AND draft_vocab_size = ? "
+                "AND (CAST(? AS VARCHAR) IS NULL OR vocab_id = ?) ORDER BY created_at LIMIT 1",
+                [tokenize_key, draft_vocab_size, vocab_id, vocab_id])
             cols = [d[0] for d in res.description]
             row = res.fetchone()
         return dict(zip(cols, row)) if row else None

@@ -293,6 +293,11 @@ class ExtractConfig(Strict):
     max_length: int = Field(default=2048, ge=8, description="Tokens per sample, chat template included.")
     overflow: Literal["truncate", "drop"] = "truncate"
     draft_vocab_size: int = Field(default=32000, ge=16)
+    draft_vocab_file: str | None = Field(
+        default=None, description="Use this draft vocab (a file an extraction wrote under a workspace's vocab/, "
+        "e.g. one built from more data) instead of building one from this workspace's generations; its size must "
+        "be draft_vocab_size. It is copied into this workspace; a run without this field uses the first vocab this "
+        "workspace registered for its tokenisation and size, built or given.")
     aux_layer_ids: list[int] | None = Field(
         default=None, description="Outputs of decoder layers i (0-based); default [1, L//2-1, L-4].")
     teacher: Literal["final_hidden", "topk"] = Field(

@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from flows.extract import extract
-from storage.lineage import LineageStore
+from storage.lineage import LineageError, LineageStore
 from storage.shards import CorruptShard, ShardStore
 from tasks.extract import HFExtractor, aux_hidden_float
 from tasks.rounds import delete_consumed_shards, read_shard
@@ -158,6 +158,41 @@ def test_a_vocab_fixed_on_a_thin_first_round_is_flagged_when_later_rounds_bring_
     rebuilt = extract(cfg.model_copy(update={"draft_vocab_size": cfg.draft_vocab_size + 1}))
     assert rebuilt.vocab_id != first.vocab_id and rebuilt.extracted == 18
     assert rebuilt.extracted_vocab_coverage == rebuilt.vocab_coverage and rebuilt.vocab_warning is None
+
+
+def test_a_vocab_from_another_workspace_is_used_byte_for_byte_and_its_coverage_of_this_data_recorded(
+        prefect_api, tmp_path, workspace, tiny_target):
+    # Workspace A builds a vocab from varied data; workspace B, holding four-word answers only, is given it.
+    import_generations(workspace, tmp_path, conversations(12, seed=5), name="varied")
+    built = extract(extract_config(workspace, tiny_target))
+    (vfile,) = LineageStore(workspace / "lineage.duckdb").query_readonly(
+        f"SELECT file FROM draft_vocabs WHERE vocab_id = '{built.vocab_id}'")[1][0]
+    other = tmp_path / "other"
+    other.mkdir()
+    few = [{"messages": [{"role": "user", "content": f"q{i} count"},
+                         {"role": "assistant", "content": " ".join(["one two three four"] * (i + 2))}]} for i in range(6)]
+    import_generations(other, tmp_path, few, name="few")
+    given = extract_config(other, tiny_target, draft_vocab_file=str(workspace / vfile))
+    with pytest.raises(LineageError, match="holds 512 draft tokens; draft_vocab_size is 256: set it to 512"):
+        extract(given.model_copy(update={"draft_vocab_size": 256}))
+    (tmp_path / "not-a-vocab.safetensors").write_bytes(b"nonsense")
+    with pytest.raises(LineageError, match="draft_vocab_file .*not-a-vocab.safetensors"):
+        extract(given.model_copy(update={"draft_vocab_file": str(tmp_path / "not-a-vocab.safetensors")}))
+
+    s = extract(given)
+    assert s.vocab_id == built.vocab_id and s.extracted == 6  # the same bytes, so the same id
+    assert s.vocab_coverage == built.vocab_coverage  # the coverage it was built with, in A
+    store = LineageStore(other / "lineage.duckdb")
+    _, rows = store.query_readonly("SELECT file, coverage, counted_samples, report FROM draft_vocabs")
+    assert len(rows) == 1 and rows[0][0] != vfile and (other / rows[0][0]).read_bytes() == (workspace / vfile).read_bytes()
+    report = json.loads(rows[0][3])
+    assert rows[0][2] == 6 and report["given"] == str(workspace / vfile)
+    # what it records is its coverage of B's tokens, the ones this run extracted
+    assert rows[0][1] == report["coverage"] == s.extracted_vocab_coverage != built.vocab_coverage
+    # kept: a later run, given nothing, uses the vocab this workspace registered
+    import_generations(other, tmp_path, conversations(3, seed=9), name="later")
+    later = extract(extract_config(other, tiny_target))
+    assert later.vocab_id == built.vocab_id and later.extracted == 3
 
 
 def poison_aux_layer_1(monkeypatch, forward_call: int, poison) -> None:

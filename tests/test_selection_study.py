@@ -76,6 +76,14 @@ def test_the_report_compares_arms_with_the_noise_floor(tmp_path):
     assert ("heldout_chat: the uniform-f32 arm's best 1.400 (at 25,000 tokens); the uniform-f32-steps arm reaches it "
             "at 14,031 tokens (56% of uniform-f32's)") in text
     assert "acceptance - uniform" in text  # the acceptance arm's lines stay
+    # from-scratch drafts on an arm's data (--controls, --ablate): a row each, the ablation read against the control
+    for arm, chat in (("uniform-f32-steps scratch", 1.40), ("uniform-f32-steps scratch extract.draft_vocab_file=v", 1.37)):
+        append_result(results, {"arm": arm, "size": 50_000, "k": 3, "train_tokens": 50_000, "eagle3_heldout_chat": chat,
+                                "eagle3_humaneval": 1.2})
+    text = report(results)
+    assert "| 50,000 | uniform-f32-steps scratch | 1.40 |" in text
+    assert ("size 50,000: heldout_chat: uniform-f32-steps scratch extract.draft_vocab_file=v - uniform-f32-steps "
+            "scratch -0.030") in text
 
 
 def test_the_plot_draws_every_arm_that_has_points(tmp_path, monkeypatch):
