@@ -1,8 +1,9 @@
 """The `extract` flow: generations -> tokenised samples -> hidden-state shards, one disk budget at a time.
 
 Orchestration only: one extract per workspace at a time, cleanup of what a crash left, the draft
-vocab (built once per tokenisation, or given as a file, then reused), the round loop (plan a shard that fits, extract,
-write the file, commit its lineage), progress (console bar, Prefect progress and table artifacts).
+vocab (built once per tokenisation, or given as a file, then reused), the round loop (plan a shard
+that fits, extract, write the file, commit its lineage), progress (console bar, Prefect progress and
+table artifacts).
 The work is in tasks/ (chat, vocab, extract, rounds), persistence in storage/.
 
 A round ends when every pending generation is done, the sample limit is reached, or the next shard
