@@ -49,7 +49,7 @@ from tasks.extract_vllm import open_vllm_extractor, text_config
 from tasks.target import (TargetFiles, TargetIdentity, load_configured_target, load_configured_target_files,
                           resolve_target_dtype)
 from tasks.vocab import (DraftVocab, TokenCounter, build_draft_vocab, coverage_report, load_vocab, save_vocab,
-                         thin_vocab_warning, vocab_drift_warning)
+                         split_half_coverage, thin_vocab_warning, vocab_drift_warning)
 
 READ_CHUNK = 256  # generations read and tokenised at a time
 
@@ -60,6 +60,7 @@ class ExtractSummary:
     extract_key: str = ""
     vocab_id: str = ""
     vocab_coverage: float = 0.0  # of the tokens the vocab was built from
+    vocab_expected_coverage: float | None = None  # of tokens it was not chosen from (tasks.vocab.split_half_coverage)
     extracted_vocab_coverage: float | None = None  # of the loss-masked tokens this run extracted
     vocab_warning: str | None = None  # tasks.vocab.vocab_drift_warning: this run's tokens covered worse than its own
     aux_layer_ids: list[int] = field(default_factory=list)
@@ -140,16 +141,19 @@ def draft_vocab_for(ctx: StageContext, run_id: str, logger) -> tuple[DraftVocab,
     items = store.generations_to_tokenise(cfg.generation_params_keys)
     if not items:
         raise LineageError("no generations to tokenise: run `eagle3 regenerate` first")
-    counter = TokenCounter(len(ctx.tokenizer))
+    halves = (TokenCounter(len(ctx.tokenizer)), TokenCounter(len(ctx.tokenizer)))  # alternate samples
     samples = 0
     for start in range(0, len(items), READ_CHUNK):
         for t in ctx.tokenise(items[start:start + READ_CHUNK]):
             if isinstance(t.result, Sample):
-                counter.add(t.result.input_ids, t.result.loss_mask)
+                halves[samples % 2].add(t.result.input_ids, t.result.loss_mask)
                 samples += 1
+    counts = halves[0].counts + halves[1].counts
     if given is None:
-        vocab = build_draft_vocab(counter.counts, cfg.draft_vocab_size)
-        report = {**coverage_report(vocab), "warning": thin_vocab_warning(vocab)}
+        vocab = build_draft_vocab(counts, cfg.draft_vocab_size)
+        expected = split_half_coverage(halves[0].counts, halves[1].counts, cfg.draft_vocab_size)
+        report = {**coverage_report(vocab), "expected_coverage": expected, "expected_from": "split-half",
+                  "warning": thin_vocab_warning(vocab, expected)}
         rel = Path("vocab") / f"{ctx.tokenize_key}-{cfg.draft_vocab_size}.safetensors"
         save_vocab(vocab, ctx.workspace / rel)
     else:  # its coverage is of this workspace's tokens; the drift check reads the one it was built with
@@ -158,7 +162,7 @@ def draft_vocab_for(ctx: StageContext, run_id: str, logger) -> tuple[DraftVocab,
         if vocab.target_vocab_size != len(ctx.tokenizer):
             raise LineageError(f"draft_vocab_file {cfg.draft_vocab_file}: built for a target vocabulary of "
                                f"{vocab.target_vocab_size} tokens; this target's tokenizer has {len(ctx.tokenizer)}")
-        report = {**coverage_report(vocab, counter.counts), "given": cfg.draft_vocab_file,
+        report = {**coverage_report(vocab, counts), "given": cfg.draft_vocab_file, "expected_from": "first use",
                   "built_coverage": vocab.coverage, "warning": None}
         rel = Path("vocab") / f"{ctx.tokenize_key}-{cfg.draft_vocab_size}-{digest[:16]}.safetensors"
         write_bytes_atomic(data, ctx.workspace / rel)  # byte for byte, so the same id
@@ -247,6 +251,9 @@ def _extract(config: ExtractConfig, store: LineageStore, ws: Path, summary: Extr
     ctx = StageContext(config, store, ws, tokenizer, identity, tkey)
     vocab, vocab_id, report = vocab_task(ctx, summary.run_id, logger)
     summary.vocab_id, summary.vocab_coverage = vocab_id, vocab.coverage
+    # what it should cover of tokens it was not chosen from: a built vocab's split-half estimate, a given
+    # one's coverage of this workspace's tokens at its first use (None: built before this was recorded)
+    summary.vocab_expected_coverage = report.get("expected_coverage", report["coverage"] if "given" in report else None)
     ekey = extract_key(tkey, vocab_id, settings)
     summary.extract_key = ekey
     store.register_extract_settings(summary.run_id, ekey, vocab_id, {
@@ -297,7 +304,7 @@ def _extract(config: ExtractConfig, store: LineageStore, ws: Path, summary: Extr
     if extracted_tokens.tokens_seen:
         extracted = coverage_report(vocab, extracted_tokens.counts)
         summary.extracted_vocab_coverage = extracted["coverage"]
-        summary.vocab_warning = vocab_drift_warning(vocab, extracted)
+        summary.vocab_warning = vocab_drift_warning(vocab, extracted, summary.vocab_expected_coverage)
         if summary.vocab_warning is not None:
             logger.warning(summary.vocab_warning)
     summary.disk_used_bytes = shards.used_bytes()
@@ -520,6 +527,8 @@ def summary_table(s: ExtractSummary) -> list[dict]:
         {"what": "stopped by", "value": s.stopped_by},
         {"what": "server ids checked / mismatched", "value": f"{s.ids_checked} / {s.ids_mismatched}"},
         {"what": "draft vocab coverage (tokens it was built from)", "value": round(s.vocab_coverage, 4)},
+        {"what": "draft vocab coverage expected of new tokens",
+         "value": None if s.vocab_expected_coverage is None else round(s.vocab_expected_coverage, 4)},
         {"what": "draft vocab coverage (tokens extracted now)",
          "value": None if s.extracted_vocab_coverage is None else round(s.extracted_vocab_coverage, 4)},
         {"what": "draft vocab warning", "value": s.vocab_warning or "none"},

@@ -146,12 +146,15 @@ def test_a_vocab_fixed_on_a_thin_first_round_is_flagged_when_later_rounds_bring_
     store = LineageStore(workspace / "lineage.duckdb")
     _, built = store.query_readonly(f"SELECT report FROM draft_vocabs WHERE vocab_id = '{first.vocab_id}'")
     assert "ids were never seen" in json.loads(built[0][0])["warning"]
+    # four words, in both halves of the samples: each half's vocab covers the other; later rounds are judged by it
+    assert json.loads(built[0][0])["expected_coverage"] == first.vocab_expected_coverage == 1.0
 
     import_generations(workspace, tmp_path, conversations(12, seed=5), name="second")
     second = extract(cfg)
     assert second.extracted == 12 and second.vocab_id == first.vocab_id
     assert second.extracted_vocab_coverage < 0.9
     assert f"covers {second.extracted_vocab_coverage:.1%} of the" in second.vocab_warning
+    assert "against the 100.0% expected of new tokens" in second.vocab_warning
     _, runs = store.query_readonly(f"SELECT summary FROM runs WHERE run_id = '{second.run_id}'")
     assert json.loads(runs[0][0])["vocab_warning"] == second.vocab_warning
     # The remedy the warning names: another size builds a vocab from every generation so far.
@@ -189,6 +192,7 @@ def test_a_vocab_from_another_workspace_is_used_byte_for_byte_and_its_coverage_o
     assert rows[0][2] == 6 and report["given"] == str(workspace / vfile)
     # what it records is its coverage of B's tokens, the ones this run extracted
     assert rows[0][1] == report["coverage"] == s.extracted_vocab_coverage != built.vocab_coverage
+    assert s.vocab_expected_coverage == report["coverage"]  # a given vocab: later rounds are held to its first use
     # kept: a later run, given nothing, uses the vocab this workspace registered
     import_generations(other, tmp_path, conversations(3, seed=9), name="later")
     later = extract(extract_config(other, tiny_target))

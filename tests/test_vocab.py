@@ -15,6 +15,7 @@ from tasks.vocab import (
     coverage_report,
     load_vocab,
     save_vocab,
+    split_half_coverage,
     thin_vocab_warning,
     validate_vocab,
     vocab_drift_warning,
@@ -120,6 +121,27 @@ def test_a_fixed_vocab_warns_when_built_thin_or_when_later_tokens_fall_outside_i
     assert vocab_drift_warning(full, later, tolerance=0.3) is None
     nothing = coverage_report(full, np.zeros(8, dtype=np.int64))
     assert vocab_drift_warning(full, nothing) is None
+
+
+def test_the_split_half_estimate_predicts_coverage_of_new_tokens_where_the_build_s_own_coverage_overstates_it():
+    # Zipf-distributed ids, frequent ones low as in a BPE vocabulary: a vocab bigger than the ids a small
+    # build used covers all of its own data and a good deal less of what comes later.
+    rng = np.random.default_rng(0)
+    p = 1 / np.arange(1, 4001)
+    p /= p.sum()
+    build, later = rng.choice(4000, size=6000, p=p), rng.choice(4000, size=60000, p=p)
+    halves = np.bincount(build[::2], minlength=4000), np.bincount(build[1::2], minlength=4000)
+    vocab = build_draft_vocab(halves[0] + halves[1], 2000)
+    assert vocab.n_filled > 0 and vocab.coverage == 1.0
+    new = coverage_report(vocab, np.bincount(later, minlength=4000))
+    expected = split_half_coverage(*halves, 2000)
+    assert new["coverage"] < 0.95 and abs(expected - new["coverage"]) < 0.02
+    assert vocab_drift_warning(vocab, new, expected) is None  # later rounds as the data predicts: quiet
+    assert "covers" in vocab_drift_warning(vocab, new)  # the in-sample basis would cry wolf
+    assert f"expected coverage of new tokens {expected:.1%}" in thin_vocab_warning(vocab, expected)
+    shifted = coverage_report(vocab, np.bincount(rng.integers(2000, 4000, size=1000), minlength=4000))
+    assert f"against the {expected:.1%} expected of new tokens" in vocab_drift_warning(vocab, shifted, expected)
+    assert split_half_coverage(halves[0], np.zeros(4000, dtype=np.int64), 2000) is None
 
 
 def test_round_trip_matches_sglang_hot_token_id():
