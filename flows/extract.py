@@ -156,7 +156,7 @@ def draft_vocab_for(ctx: StageContext, run_id: str, logger) -> tuple[DraftVocab,
                   "warning": thin_vocab_warning(vocab, expected)}
         rel = Path("vocab") / f"{ctx.tokenize_key}-{cfg.draft_vocab_size}.safetensors"
         save_vocab(vocab, ctx.workspace / rel)
-    else:  # its coverage is of this workspace's tokens; the drift check reads the one it was built with
+    else:  # what it covers of this workspace's tokens is recorded, and later rounds are held to it
         vocab, data = given
         digest = hashlib.sha256(data).hexdigest()
         if vocab.target_vocab_size != len(ctx.tokenizer):
