@@ -258,7 +258,10 @@ def test_kill_9_during_discover_then_resume_loses_and_duplicates_nothing(prefect
         # Each kill lands after this attempt itself wrote 2,000 records, so its run is registered:
         # an absolute target the previous kill overshot would kill the next attempt at its start.
         target = stored() + 2_000
-        p = subprocess.Popen([*EAGLE3, "discover", "--config", str(cfg_path)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        err = tmp_path / f"discover-{attempt}.err"
+        with err.open("w") as stderr:
+            p = subprocess.Popen([*EAGLE3, "discover", "--config", str(cfg_path)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                 stderr=stderr)
         deadline = time.time() + 300
         while time.time() < deadline and p.poll() is None:
             if (workspace / "lineage.duckdb").exists():
@@ -268,6 +271,9 @@ def test_kill_9_during_discover_then_resume_loses_and_duplicates_nothing(prefect
                 except Exception:
                     pass
             time.sleep(0.2)
+        if p.poll() is not None:  # seen once on a loaded machine (ProcessLookupError at the kill): say how it ended
+            pytest.fail(f"attempt {attempt}: discover exited with {p.returncode} before the kill, at {stored():,} of "
+                        f"{len(rows):,} records (target {target:,}); its stderr ends: {err.read_text()[-1500:]}")
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
     partial = stored()
