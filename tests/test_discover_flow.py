@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pyarrow as pa
+import pytest
 import pyarrow.parquet as pq
 import yaml
 
