@@ -315,13 +315,16 @@ def run(args: argparse.Namespace) -> None:
             # The comparison first (uniform and acceptance, size by size), the noise floor after it.
             order = [(size, arm) for size in args.sizes for arm in arms if ARMS[arm]["seed"] is None]
             order += [(size, arm) for arm in arms if ARMS[arm]["seed"] is not None for size in args.sizes]
-            for size, arm in order:
-                st = studies[arm]
+            def sharing_the_target(st: Study, point) -> None:  # one loaded target for every arm and point
                 if "target" in shared:
                     st._target = shared["target"]
-                st.main_point(size)
+                point()
                 if st._target is not None:
                     shared["target"] = st._target
+
+            for size, arm in order:
+                st = studies[arm]
+                sharing_the_target(st, lambda: st.main_point(size))
                 key = f"{arm}/{size}/k{args.ks[0]}"
                 row = load_results(results).get(key)
                 if row is not None and "cluster_mix" not in row:
@@ -338,11 +341,7 @@ def run(args: argparse.Namespace) -> None:
             for arm in arms:
                 st = studies[arm]
                 for size, change in [(size, None) for size in args.controls] + [(args.ablate_size, c) for c in changes]:
-                    if "target" in shared:
-                        st._target = shared["target"]
-                    st.control_point(size, change)
-                    if st._target is not None:
-                        shared["target"] = st._target
+                    sharing_the_target(st, lambda: st.control_point(size, change))
     finally:
         if proxy is not None:
             proxy.terminate()

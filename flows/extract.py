@@ -131,8 +131,7 @@ def draft_vocab_for(ctx: StageContext, run_id: str, logger) -> tuple[DraftVocab,
     keep the same draft ids."""
     cfg, store = ctx.config, ctx.store
     given = _given_vocab(cfg) if cfg.draft_vocab_file else None
-    row = store.draft_vocab(ctx.tokenize_key, cfg.draft_vocab_size,
-                            hashlib.sha256(given[1]).hexdigest()[:16] if given else None)
+    row = store.draft_vocab(ctx.tokenize_key, cfg.draft_vocab_size, given[2][:16] if given else None)
     if row is not None:
         path = ctx.workspace / row["file"]
         if file_sha256(path) != row["sha256"]:
@@ -157,13 +156,13 @@ def draft_vocab_for(ctx: StageContext, run_id: str, logger) -> tuple[DraftVocab,
         rel = Path("vocab") / f"{ctx.tokenize_key}-{cfg.draft_vocab_size}.safetensors"
         save_vocab(vocab, ctx.workspace / rel)
     else:  # what it covers of this workspace's tokens is recorded, and later rounds are held to it
-        vocab, data = given
-        digest = hashlib.sha256(data).hexdigest()
+        vocab, data, digest = given
         if vocab.target_vocab_size != len(ctx.tokenizer):
             raise LineageError(f"draft_vocab_file {cfg.draft_vocab_file}: built for a target vocabulary of "
                                f"{vocab.target_vocab_size} tokens; this target's tokenizer has {len(ctx.tokenizer)}")
-        report = {**coverage_report(vocab, counts), "given": cfg.draft_vocab_file, "expected_from": "first use",
-                  "built_coverage": vocab.coverage, "warning": None}
+        report = coverage_report(vocab, counts)
+        report.update({"expected_coverage": report["coverage"], "expected_from": "first use",
+                       "given": cfg.draft_vocab_file, "built_coverage": vocab.coverage, "warning": None})
         rel = Path("vocab") / f"{ctx.tokenize_key}-{cfg.draft_vocab_size}-{digest[:16]}.safetensors"
         write_bytes_atomic(data, ctx.workspace / rel)  # byte for byte, so the same id
     digest = file_sha256(ctx.workspace / rel)
@@ -181,8 +180,8 @@ def draft_vocab_for(ctx: StageContext, run_id: str, logger) -> tuple[DraftVocab,
     return vocab, vocab_id, report
 
 
-def _given_vocab(cfg: ExtractConfig) -> tuple[DraftVocab, bytes]:
-    """The `draft_vocab_file` vocab (validated on load) and the file's bytes, whose sha256 names it (the
+def _given_vocab(cfg: ExtractConfig) -> tuple[DraftVocab, bytes, str]:
+    """The `draft_vocab_file` vocab (validated on load), the file's bytes and their sha256, which names it (the
     workspace keeps a byte-for-byte copy, so the id is the same in every workspace that uses the file)."""
     path = Path(cfg.draft_vocab_file)
     try:
@@ -193,7 +192,7 @@ def _given_vocab(cfg: ExtractConfig) -> tuple[DraftVocab, bytes]:
     if vocab.draft_vocab_size != cfg.draft_vocab_size:
         raise LineageError(f"draft_vocab_file {path} holds {vocab.draft_vocab_size} draft tokens; draft_vocab_size "
                            f"is {cfg.draft_vocab_size}: set it to {vocab.draft_vocab_size}")
-    return vocab, data
+    return vocab, data, hashlib.sha256(data).hexdigest()
 
 
 vocab_task = task(draft_vocab_for, name="draft-vocab", cache_policy=NO_CACHE)
@@ -253,7 +252,7 @@ def _extract(config: ExtractConfig, store: LineageStore, ws: Path, summary: Extr
     summary.vocab_id, summary.vocab_coverage = vocab_id, vocab.coverage
     # what it should cover of tokens it was not chosen from: a built vocab's split-half estimate, a given
     # one's coverage of this workspace's tokens at its first use (None: built before this was recorded)
-    summary.vocab_expected_coverage = report.get("expected_coverage", report["coverage"] if "given" in report else None)
+    summary.vocab_expected_coverage = report.get("expected_coverage")
     ekey = extract_key(tkey, vocab_id, settings)
     summary.extract_key = ekey
     store.register_extract_settings(summary.run_id, ekey, vocab_id, {
