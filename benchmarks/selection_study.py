@@ -11,7 +11,9 @@ draft, continued round after round; sizes in loss-masked training tokens):
 - `uniform-head` (`train.init: target_head`) and `uniform-f32` (the target in float32 in every stage):
   `uniform`'s data with one change;
 - `uniform-f32-steps`: `uniform-f32` with 4x the optimizer steps on the same tokens (4 epochs of
-  2,048-token batches), read against `uniform-f32`.
+  2,048-token batches), read against `uniform-f32`;
+- `uniform-f32-1epoch`: the steps arm's recipe with one epoch instead of four, read against `uniform-f32-steps`:
+  at 4x the tokens, the same optimizer steps (800K here costs what the steps arm's 200K cost to train).
 From-scratch controls and ablations (`--controls N`, `--ablate CHANGE` at `--ablate-size`): a fresh draft on
 the arm's first N tokens, plain or with one change (benchmarks/scaling.py `Study.control_point`), in
 `<arm>/controls/`; named `<arm> scratch[ <change>]`, an ablation read against its arm's plain control.
@@ -71,9 +73,13 @@ ARMS = {"uniform": {"selection": "uniform", "seed": None},
         # uniform-f32's data and tokens, 4x the optimizer steps (4 epochs of 2,048-token batches): the recipe
         # the scaling study's ablations found best at 50K (+0.09 held-out chat), a higher curve for the same tokens
         "uniform-f32-steps": {"selection": "uniform", "seed": None, "target": {"dtype": "float32"},
-                              "train": {"epochs": 4, "batch_tokens": 2048}, "against": "uniform-f32"}}
+                              "train": {"epochs": 4, "batch_tokens": 2048}, "against": "uniform-f32"},
+        # the steps arm's batches, one epoch: more data for the same training compute. On 2 cores a point's
+        # training dominates its cost, so this is the arm whose 800K point fits one session on a fresh machine
+        "uniform-f32-1epoch": {"selection": "uniform", "seed": None, "target": {"dtype": "float32"},
+                               "train": {"epochs": 1, "batch_tokens": 2048}, "against": "uniform-f32-steps"}}
 PLOT_STYLES = {"uniform": "o-", "acceptance": "s-", "uniform-seed1": "x:", "uniform-head": "^--", "uniform-f32": "d-",
-               "uniform-f32-steps": "D--"}
+               "uniform-f32-steps": "D--", "uniform-f32-1epoch": "v-."}
 DEFAULT_SIZES = [12_500, 25_000, 50_000]
 # The target's answers the arms asked for, kept in git: a later session, on another machine, starts
 # its cache with them and regenerates only what no earlier session asked.
