@@ -61,7 +61,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -241,6 +241,38 @@ class Costs:
         }
 
 
+def extract_train_rounds(remaining: Callable[[], int], extract: Callable[[int], object], train: Callable[[], object],
+                         positions: Callable[[], int], costs: Costs, ws: Path) -> None:
+    """Extract the generations not yet sampled and train on them, round after round, until none is left: the
+    disk budget stops an extraction early, and training (delete_consumed) frees the room for the next round.
+    One round when everything fits. Stops with a clear error when an extraction makes no progress or training
+    stops for another reason than running out of data."""
+    last_remaining = -1
+    while True:
+        left = remaining()
+        if left > 0:
+            if costs.rounds and left == last_remaining:
+                raise SystemExit(f"{ws}: extraction makes no progress ({left} generations left)")
+            last_remaining = left
+            t1 = time.monotonic()
+            s = extract(left)
+            costs.extract_s += time.monotonic() - t1
+            costs.extract_tokens += s.tokens
+            costs.extract_masked += s.masked_tokens
+            costs.target_dtype = s.target_dtype
+            print(f"extract: {s.extracted} samples, {s.tokens:,} tokens ({s.stopped_by})", flush=True)
+        before = positions()
+        t1 = time.monotonic()
+        ts = train()
+        costs.train_s += time.monotonic() - t1
+        costs.train_positions += positions() - before
+        costs.rounds += 1
+        if ts.stopped_by not in ("done", "no_data"):
+            raise SystemExit(f"{ws}: training stopped by {ts.stopped_by} (train.max_steps?)")
+        if remaining() <= 0:
+            return
+
+
 class Study:
     def __init__(self, cfg, results: Path, ks: list[int], prompts: int, max_new: int, chunk_max: int,
                  chunk_min: int = 16, arm: str = MAIN) -> None:
@@ -349,6 +381,10 @@ class Study:
                     row[f"{short}_{dom}"] = a.acceptance_length_token_weighted
                     row[f"{short}_{dom}_pos"] = a.position_accept_rate
                     row[f"{short}_{dom}_requests"] = a.requests
+                    if dom != "all":  # per prompt, for the report's bootstrap intervals (ratio_interval)
+                        row[f"{short}_{dom}_per_request"] = {
+                            r.item_id: [r.completion_tokens, r.verify_rounds] for r in report.requests
+                            if r.drafter == name and r.domain == dom}
             self._lookup.setdefault(k, {key: v for key, v in row.items() if key.startswith("lookup_")})
             out[k] = {**self._lookup[k], **row}
         return out
@@ -378,30 +414,10 @@ class Study:
             print(f"{self.arm} {size:,}: the draft already holds more data than {size:,} tokens (a larger size was run "
                   "first); skipped", flush=True)
             return
-        last_remaining = -1
-        while True:
-            remaining = n_gen - sampled_generations(self.store)
-            if remaining > 0:
-                if costs.rounds and remaining == last_remaining:
-                    raise SystemExit(f"{self.ws}: extraction makes no progress ({remaining} generations left)")
-                last_remaining = remaining
-                t1 = time.monotonic()
-                s = extract(self.cfg.extract.model_copy(update={"limit": remaining}))
-                costs.extract_s += time.monotonic() - t1
-                costs.extract_tokens += s.tokens
-                costs.extract_masked += s.masked_tokens
-                costs.target_dtype = s.target_dtype
-                print(f"extract: {s.extracted} samples, {s.tokens:,} tokens ({s.stopped_by})", flush=True)
-            before = trained_positions(self.store, run_name)
-            t1 = time.monotonic()
-            ts = train(self.cfg.train)
-            costs.train_s += time.monotonic() - t1
-            costs.train_positions += trained_positions(self.store, run_name) - before
-            costs.rounds += 1
-            if ts.stopped_by not in ("done", "no_data"):
-                raise SystemExit(f"{self.ws}: training stopped by {ts.stopped_by} (train.max_steps?)")
-            if n_gen - sampled_generations(self.store) <= 0:
-                break
+        extract_train_rounds(lambda: n_gen - sampled_generations(self.store),
+                             lambda limit: extract(self.cfg.extract.model_copy(update={"limit": limit})),
+                             lambda: train(self.cfg.train), lambda: trained_positions(self.store, run_name),
+                             costs, self.ws)
         row = self.store.checkpoint_row(fmt="sglang")
         if row is None:
             raise SystemExit(f"{self.ws}: no SGLang export after training")
@@ -452,17 +468,13 @@ class Study:
                                       decontaminate=d.decontaminate)]))
             costs.notes.append(f"imported {s.imported} of {n_gen} generations in {time.monotonic() - t1:.0f} s")
             print(f"{arm} {size:,}: imported {s.imported} of {n_gen} generations into {cws}", flush=True)
-        t1 = time.monotonic()
-        s = extract(extract_cfg.model_copy(update={"workspace": str(cws), "limit": None}))
-        costs.extract_s += time.monotonic() - t1
-        costs.extract_tokens += s.tokens
-        costs.extract_masked += s.masked_tokens
-        costs.target_dtype = s.target_dtype
-        before = trained_positions(cstore, run_name)
-        t1 = time.monotonic()
-        train(train_cfg.model_copy(update={"workspace": str(cws), "run_name": run_name}))
-        costs.train_s += time.monotonic() - t1
-        costs.train_positions += trained_positions(cstore, run_name) - before
+        # every imported generation, in as many extract -> train rounds as the disk budget takes
+        imported = len(generation_tokens(cstore))
+        extract_train_rounds(lambda: imported - sampled_generations(cstore),
+                             lambda limit: extract(extract_cfg.model_copy(update={"workspace": str(cws),
+                                                                                   "limit": limit})),
+                             lambda: train(train_cfg.model_copy(update={"workspace": str(cws), "run_name": run_name})),
+                             lambda: trained_positions(cstore, run_name), costs, cws)
         row = cstore.checkpoint_row(fmt="sglang")
         if row is None:
             raise SystemExit(f"{cws}: no SGLang export after training")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from pathlib import Path
 from typing import Iterable
 
@@ -48,6 +49,32 @@ def append_result(path: Path, row: dict) -> None:
         f.write(json.dumps(row, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def ratio_interval(num: dict[str, list[int]] | None, den: dict[str, list[int]] | None, draws: int = 2000,
+                   level: float = 0.9, seed: int = 0) -> tuple[float, float] | None:
+    """A paired bootstrap interval for one drafter's token-weighted acceptance length over another's, on the
+    prompts both decoded: each input maps a prompt's item id to [completion_tokens, verify_rounds] (a point's
+    `<drafter>_<domain>_per_request`). Each draw resamples the prompts with replacement, the same prompts for
+    both drafters, so the interval holds the variance of the prompt set (32 prompts are few) and not of
+    decoding (greedy: none). None when either side is missing or shares fewer than 2 prompts."""
+    if not num or not den:
+        return None
+    items = sorted(set(num) & set(den))
+    if len(items) < 2:
+        return None
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(draws):
+        pick = [items[rng.randrange(len(items))] for _ in items]
+        n_rounds, d_rounds = sum(num[i][1] for i in pick), sum(den[i][1] for i in pick)
+        if n_rounds and d_rounds:
+            ratios.append((sum(num[i][0] for i in pick) / n_rounds) / (sum(den[i][0] for i in pick) / d_rounds))
+    if not ratios:
+        return None
+    ratios.sort()
+    tail = (1 - level) / 2
+    return ratios[int(tail * (len(ratios) - 1))], ratios[round((1 - tail) * (len(ratios) - 1))]
 
 
 # ---------------------------------------------------------------- report

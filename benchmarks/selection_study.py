@@ -58,7 +58,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 from benchmarks.scaling import Study, parse_change, trained_positions  # noqa: E402
-from benchmarks.scaling_results import fmt, load_results  # noqa: E402
+from benchmarks.scaling_results import fmt, load_results, ratio_interval  # noqa: E402
 
 # Each arm changes one thing; "against" names the arm it is read against (report: the difference at each
 # size, and the tokens it needs to reach that arm's best).
@@ -165,6 +165,15 @@ def arms_of(rows: list[dict]) -> list[str]:
     return list(ARMS) + sorted({r["arm"] for r in rows} - set(ARMS))
 
 
+def ratio_cell(row: dict, domain: str, base: str) -> str:
+    """The draft's acceptance over a baseline drafter's (`lookup`, `final`) on one domain, with its 90% paired
+    bootstrap interval over the prompts when the point recorded them per prompt: "0.99 (0.93-1.05)"."""
+    a, b = row.get(f"eagle3_{domain}"), row.get(f"{base}_{domain}")
+    cell = fmt(None if a is None or not b else a / b)
+    interval = ratio_interval(row.get(f"eagle3_{domain}_per_request"), row.get(f"{base}_{domain}_per_request"))
+    return cell if interval is None else f"{cell} ({interval[0]:.2f}-{interval[1]:.2f})"
+
+
 def report(results: Path, k: int = 3) -> str:
     rows = [r for r in load_results(results).values() if r["k"] == k]
     if not rows:
@@ -175,7 +184,6 @@ def report(results: Path, k: int = 3) -> str:
              "| size | arm | held-out chat | x lookup | x final-only | HumanEval | x lookup | regenerated tokens "
              "| generations | code share |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    ratio = lambda a, b: None if a is None or not b else a / b  # noqa: E731
     for size in sizes:
         for arm in arms_of(rows):
             r = by.get((arm, size))
@@ -184,12 +192,14 @@ def report(results: Path, k: int = 3) -> str:
             mix = r.get("cluster_mix") or {}
             code = mix.get("code", 0) / sum(mix.values()) if mix else None
             lines.append(
-                f"| {size:,} | {arm} | {fmt(r.get('eagle3_heldout_chat'))} | "
-                f"{fmt(ratio(r.get('eagle3_heldout_chat'), r.get('lookup_heldout_chat')))} | "
-                f"{fmt(ratio(r.get('eagle3_heldout_chat'), r.get('final_heldout_chat')))} | "
-                f"{fmt(r.get('eagle3_humaneval'))} | {fmt(ratio(r.get('eagle3_humaneval'), r.get('lookup_humaneval')))} | "
+                f"| {size:,} | {arm} | {fmt(r.get('eagle3_heldout_chat'))} | {ratio_cell(r, 'heldout_chat', 'lookup')} | "
+                f"{ratio_cell(r, 'heldout_chat', 'final')} | "
+                f"{fmt(r.get('eagle3_humaneval'))} | {ratio_cell(r, 'humaneval', 'lookup')} | "
                 f"{r.get('regen_completion_tokens', 0):,} | {r.get('regen_generations', 0):,} | "
                 f"{'-' if code is None else f'{code:.1%}'} |")
+    lines.append("")
+    lines.append("(a, b): the ratio's 90% paired bootstrap interval over the prompts, for points that recorded them "
+                 "per prompt (measured from 2026-12-05 on)")
     lines.append("")
     seed = "uniform-seed1"  # the noise floor: uniform with another training seed
     compared = [(arm, spec["against"]) for arm, spec in ARMS.items() if spec.get("against")]

@@ -126,3 +126,42 @@ def test_an_arm_measured_at_two_sizes_is_plotted_as_its_own_curve(tmp_path):
     assert scaling_results.recipe_arms(rows) == [recipe]  # the one-size arm stays in the ablation table only
     png = scaling_results.plot(rows, tmp_path / "curve.png")
     assert png is not None and png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_rounds_extract_and_train_until_every_generation_is_sampled(tmp_path):
+    # A control larger than the disk budget once trained on the first round's samples only: one extract
+    # (stopped by the budget), one train. Both points now loop until nothing is left.
+    from types import SimpleNamespace as NS
+
+    state = {"left": 10, "positions": 0}
+    calls: list[str] = []
+
+    def extract(limit):
+        calls.append(f"extract {limit}")
+        n = min(limit, 4)  # the budget holds 4 samples a round
+        state["left"] -= n
+        return NS(extracted=n, tokens=100 * n, masked_tokens=60 * n, target_dtype="float32", stopped_by="budget")
+
+    def train():
+        calls.append("train")
+        state["positions"] += 7
+        return NS(stopped_by="done")
+
+    costs = scaling.Costs()
+    scaling.extract_train_rounds(lambda: state["left"], extract, train, lambda: state["positions"], costs, tmp_path)
+    assert calls == ["extract 10", "train", "extract 6", "train", "extract 2", "train"]
+    assert (costs.rounds, costs.extract_tokens, costs.extract_masked, costs.train_positions) == (3, 1000, 600, 21)
+
+    # resumed after the last extraction: train only
+    calls.clear()
+    scaling.extract_train_rounds(lambda: 0, extract, train, lambda: 0, scaling.Costs(), tmp_path)
+    assert calls == ["train"]
+
+    # an extraction that frees no room (training kept nothing back) is an error, not a loop
+    stuck = NS(extracted=0, tokens=0, masked_tokens=0, target_dtype="float32", stopped_by="budget")
+    with pytest.raises(SystemExit, match="no progress"):
+        scaling.extract_train_rounds(lambda: 5, lambda limit: stuck, train, lambda: 0, scaling.Costs(), tmp_path)
+
+    with pytest.raises(SystemExit, match="max_steps"):
+        scaling.extract_train_rounds(lambda: 0, extract, lambda: NS(stopped_by="max_steps"), lambda: 0,
+                                     scaling.Costs(), tmp_path)

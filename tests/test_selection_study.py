@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.scaling_results import append_result
-from benchmarks.selection_study import ARMS, arm_config, merge_points, plot, report, tokens_to_reach
+from benchmarks.scaling_results import append_result, ratio_interval
+from benchmarks.selection_study import ARMS, arm_config, merge_points, plot, ratio_cell, report, tokens_to_reach
 from serving.embedded import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,6 +26,31 @@ def test_tokens_to_reach_interpolates_in_log_size_and_says_when_never():
     assert tokens_to_reach(curve, 1.35) == pytest.approx(12_500 * 2 ** 0.5)
     assert tokens_to_reach(curve, 1.61) is None
     assert tokens_to_reach([(10_000, 2.0)], 1.5) == 10_000
+
+
+def test_the_ratio_interval_is_a_paired_bootstrap_over_prompts():
+    # prompt p: [completion tokens, verify rounds]; the draft accepts 1.2-1.6 where lookup accepts 1.3
+    draft = {f"p{i}": [60 + 4 * i, 50] for i in range(11)}
+    lookup = {f"p{i}": [65, 50] for i in range(11)}
+    lo, hi = ratio_interval(draft, lookup)
+    point = (sum(t for t, _ in draft.values()) / 550) / 1.3
+    assert lo < point < hi and hi - lo > 0.02
+    assert ratio_interval(draft, lookup) == (lo, hi)  # seeded: the same report every time
+    # the same prompts for both sides: a draft that always equals lookup has no spread at all
+    assert ratio_interval(lookup, lookup) == (1.0, 1.0)
+    # a prompt only one side decoded is left out, and nothing to pair gives no interval
+    assert ratio_interval({**draft, "extra": [1000, 1]}, lookup) == (lo, hi)
+    assert ratio_interval(draft, None) is None and ratio_interval({"a": [1, 1]}, {"a": [1, 1]}) is None
+    # more prompts, narrower
+    many = {f"q{i}": v for i, v in enumerate(list(draft.values()) * 9)}
+    lo9, hi9 = ratio_interval(many, {key: [65, 50] for key in many})
+    assert hi9 - lo9 < (hi - lo) / 2
+    # the report's cell: the ratio, then its interval when the point recorded its prompts
+    row = {"eagle3_heldout_chat": point * 1.3, "lookup_heldout_chat": 1.3,
+           "eagle3_heldout_chat_per_request": draft, "lookup_heldout_chat_per_request": lookup}
+    assert ratio_cell(row, "heldout_chat", "lookup") == f"{point:.2f} ({lo:.2f}-{hi:.2f})"
+    assert ratio_cell({k: v for k, v in row.items() if "per_request" not in k}, "heldout_chat", "lookup") == \
+        f"{point:.2f}"
 
 
 def test_each_arm_gets_its_workspace_selection_seed_and_the_proxy():
