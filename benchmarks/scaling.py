@@ -398,6 +398,19 @@ class Study:
             append_result(self.results, full)
             self.done[point_key(arm, size, k)] = full
 
+    def remeasure(self, size: int) -> None:
+        """Measure a recorded point's draft again when the point lacks the per-prompt figures (recorded since
+        2026-12-05) and its export is still on this machine: the same draft, target and prompts, so the
+        figures repeat and the point gains its prompts. Appended as the point's new line (the last wins)."""
+        for k in self.ks:
+            old = self.done.get(point_key(self.arm, size, k))
+            if old is None or f"eagle3_{DOMAINS[0]}_per_request" in old or not Path(old["export"]).exists():
+                continue
+            info = {key: v for key, v in old.items() if key not in ("arm", "size", "k", "recorded_at")}
+            info["first_recorded_at"] = old["recorded_at"]
+            self.record(self.arm, size, self.measure(old["export"], [k]), info)
+            print(f"{self.arm} {size:,}: measured again, per prompt", flush=True)
+
     def main_point(self, size: int) -> None:
         from flows.extract import extract
         from flows.train import train

@@ -341,6 +341,8 @@ def run(args: argparse.Namespace) -> None:
             for size, arm in order:
                 st = studies[arm]
                 sharing_the_target(st, lambda: st.main_point(size))
+                if args.remeasure:
+                    sharing_the_target(st, lambda: st.remeasure(size))
                 key = f"{arm}/{size}/k{args.ks[0]}"
                 row = load_results(results).get(key)
                 if row is not None and "cluster_mix" not in row:
@@ -421,6 +423,9 @@ def main() -> None:
     ap.add_argument("--ablate-size", type=int, default=50_000)
     ap.add_argument("--chunk", type=int, default=400, help="most prompts per regenerate call")
     ap.add_argument("--chunk-min", type=int, default=16)
+    ap.add_argument("--remeasure", action="store_true",
+                    help="measure again the points of --arms/--sizes whose drafts are still here and that lack "
+                         "per-prompt figures (the report's intervals)")
     ap.add_argument("--report", action="store_true", help="only print the report and draw the plot")
     ap.add_argument("--results", type=Path, default=None,
                     help="report and plot these points instead of the workspace's "

@@ -165,3 +165,30 @@ def test_rounds_extract_and_train_until_every_generation_is_sampled(tmp_path):
     with pytest.raises(SystemExit, match="max_steps"):
         scaling.extract_train_rounds(lambda: 0, extract, lambda: NS(stopped_by="max_steps"), lambda: 0,
                                      scaling.Costs(), tmp_path)
+
+
+def test_remeasure_adds_per_prompt_figures_to_a_recorded_point_once(tmp_path):
+    results = tmp_path / "results.jsonl"
+    export = tmp_path / "export"
+    export.mkdir()
+    old = {"arm": "a", "size": 100, "k": 3, "export": str(export), "train_tokens": 99, "eagle3_heldout_chat": 1.4,
+           "recorded_at": "2026-12-01T00:00:00Z"}
+    scaling.append_result(results, old)
+    st = object.__new__(scaling.Study)  # no target or workspace: only the bookkeeping runs
+    st.results, st.ks, st.arm, st.max_new, st.prompts = results, [3], "a", 64, 32
+    st.done = scaling.load_results(results)
+    measured: list[str] = []
+    st.measure = lambda path, ks: measured.append(path) or {3: {"eagle3_heldout_chat": 1.4,
+                                                                "eagle3_heldout_chat_per_request": {"p": [7, 5]}}}
+    st.remeasure(100)
+    row = scaling.load_results(results)["a/100/k3"]
+    assert measured == [str(export)]
+    assert row["eagle3_heldout_chat_per_request"] == {"p": [7, 5]} and row["train_tokens"] == 99
+    assert row["first_recorded_at"] == "2026-12-01T00:00:00Z" and row["recorded_at"] != old["recorded_at"]
+    st.remeasure(100)  # it has its prompts now: not again
+    assert measured == [str(export)]
+    st.remeasure(200)  # nothing recorded at this size
+    scaling.append_result(results, {**old, "size": 300, "export": str(tmp_path / "gone")})
+    st.done = scaling.load_results(results)
+    st.remeasure(300)  # its draft is not on this machine
+    assert measured == [str(export)]
