@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -252,14 +253,15 @@ def plot(results: Path, out: Path, k: int = 3) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 6.5))
     for ax, dom, title in zip(axes, ("heldout_chat", "humaneval"), ("held-out chat", "HumanEval")):
         for arm in arms_of(rows):  # every arm, so a new one is never left out of the plot
             style = PLOT_STYLES.get(arm, "d-.")
             pts = sorted((r["train_tokens"], r[f"eagle3_{dom}"]) for r in rows
                          if r["arm"] == arm and r.get(f"eagle3_{dom}") is not None)
             if pts:
-                ax.plot(*zip(*pts), style, label=arm)
+                # an ablation's file value by its name only: a long path squeezed the panels to slivers
+                ax.plot(*zip(*pts), style, label=re.sub(r"=[^,]*/([^,/]+)", r"=\1", arm))
         look = [r.get(f"lookup_{dom}") for r in rows if r.get(f"lookup_{dom}") is not None]
         if look:
             ax.axhline(look[0], color="grey", ls="--", label="prompt lookup")
@@ -270,9 +272,13 @@ def plot(results: Path, out: Path, k: int = 3) -> Path | None:
         ax.set_ylabel(f"acceptance length, k = {k}")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    # one legend under both panels (the arms and lines are the same in each; the targets differ by panel)
+    handles, labels = axes[0].get_legend_handles_labels()
+    extra = [(h, lab) for h, lab in zip(*axes[1].get_legend_handles_labels()) if lab not in labels]
+    fig.legend(handles + [h for h, _ in extra], labels + [lab for _, lab in extra], loc="lower center", ncol=2,
+               fontsize=7.5, frameon=False)
     fig.suptitle("acceptance-aware selection vs uniform at equal regenerated data")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.3, 1, 1))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
