@@ -199,7 +199,7 @@ def report(results: Path, k: int = 3) -> str:
                 f"{r.get('regen_completion_tokens', 0):,} | {r.get('regen_generations', 0):,} | "
                 f"{'-' if code is None else f'{code:.1%}'} |")
     lines.append("")
-    lines.append("(a, b): the ratio's 90% paired bootstrap interval over the prompts, for points that recorded them "
+    lines.append("(a-b): the ratio's 90% paired bootstrap interval over the prompts, for points that recorded them "
                  "per prompt (measured from 2026-12-05 on)")
     lines.append("")
     seed = "uniform-seed1"  # the noise floor: uniform with another training seed
