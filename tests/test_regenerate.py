@@ -211,7 +211,9 @@ def test_kill_9_five_times_then_resume_gives_exactly_the_expected_generations(pr
                 break
             time.sleep(0.05)
         time.sleep(rng.uniform(0, 0.3))  # anywhere: mid-request, mid-file-write, mid-commit
-        os.kill(p.pid, signal.SIGKILL)
+        # send_signal, not os.kill(p.pid): a run that already ended was reaped by poll(), and its pid
+        # is no longer ours to signal (ProcessLookupError, or another process's pid)
+        p.send_signal(signal.SIGKILL)
         p.wait()
         partial.append(store.query_readonly("SELECT count(*) FROM generations")[1][0][0])
     assert partial[-1] < len(prompts), "the kills must land before the work is done"
