@@ -20,19 +20,19 @@ browser:
 # llama.cpp is compiled here from source, for any x86-64 CPU with AVX2 (FMA, F16C, BMI2): never
 # -march=native (GGML_NATIVE), which puts the build machine's AVX-512/AMX into the library and dies
 # of SIGILL on a CPU of the same machine kind that lacks them. The flags live in one place,
-# serving/llama_build.py (the benchmarks build llama.cpp's own tools with the same ones). pip's
+# serving/llamacpp/build.py (the benchmarks build llama.cpp's own tools with the same ones). pip's
 # cache is bypassed for it (a wheel cached from a native build elsewhere would be reused
 # silently); the flags it was built with are recorded in .venv/.llama-cpp-build, and a venv
 # holding another build is rebuilt. The embedded server is llama.cpp's own `llama-server`, built from
 # the very source tree the binding vendors (same flags) into .venv/bin; `eagle3 check-install` then
 # proves the server runs here.
-# The version is serving/llama_build.py's (pyproject.toml pins the same one).
-LLAMA_CPP_VERSION  := $(shell $(PYTHON) serving/llama_build.py version)
-LLAMA_CMAKE_ARGS   := $(shell $(PYTHON) serving/llama_build.py cmake-args)
+# The version is serving/llamacpp/build.py's (pyproject.toml pins the same one).
+LLAMA_CPP_VERSION  := $(shell $(PYTHON) serving/llamacpp/build.py version)
+LLAMA_CMAKE_ARGS   := $(shell $(PYTHON) serving/llamacpp/build.py cmake-args)
 LLAMA_BUILD_STAMP  := $(VENV)/.llama-cpp-build
 LLAMA_BUILD_ID     := llama-cpp-python==$(LLAMA_CPP_VERSION) $(LLAMA_CMAKE_ARGS)
 
-$(STAMP): pyproject.toml serving/llama_build.py
+$(STAMP): pyproject.toml serving/llamacpp/build.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@if [ "$$(cat $(LLAMA_BUILD_STAMP) 2>/dev/null)" != "$(LLAMA_BUILD_ID)" ]; then \
@@ -42,7 +42,7 @@ $(STAMP): pyproject.toml serving/llama_build.py
 	  echo "$(LLAMA_BUILD_ID)" > $(LLAMA_BUILD_STAMP); fi
 	@command -v cmake >/dev/null 2>&1 || $(PY) -m pip install -q 'cmake>=3.24'
 	@echo "llama-server from the same llama.cpp source, portable; built once per source hash and flags ($(HOME)/.cache/eagle3)"
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) serving/llama_build.py install llama-server $(VENV)/bin
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) serving/llamacpp/build.py install llama-server $(VENV)/bin
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(VENV)/bin/eagle3 check-install
 	touch $@

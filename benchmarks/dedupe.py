@@ -1,4 +1,4 @@
-"""Near-duplicate detection: our vectorised MinHash + LSH (tasks/dedupe.py) against datasketch.
+"""Near-duplicate detection: our vectorised MinHash + LSH (tasks/discover/dedupe.py) against datasketch.
 
 Both sides get the same texts and the same parameters: word 5-gram shingles of `canonical_text`
 (a text with fewer than 5 words is one shingle of all its words), 128 permutations, Jaccard
@@ -38,8 +38,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tasks import dedupe  # noqa: E402
-from tasks.prompts import canonical_text  # noqa: E402
+from tasks.discover import dedupe  # noqa: E402
+from tasks.discover.prompts import canonical_text  # noqa: E402
 
 NUM_PERM = 128
 NGRAM = 5
@@ -343,7 +343,7 @@ def speed_rows(n: int, t_ours: Timing, t_ds: Timing) -> list[list[str]]:
     def runs(t):
         return f"{len(t.runs)} ({', '.join(f'{x:.2f}' for x in t.runs)})"
     return [
-        ["ours (tasks/dedupe.py)", f"{n:,}", f"{t_ours.seconds:.2f}", fmt_rate(n, t_ours.seconds), runs(t_ours)],
+        ["ours (tasks/discover/dedupe.py)", f"{n:,}", f"{t_ours.seconds:.2f}", fmt_rate(n, t_ours.seconds), runs(t_ours)],
         ["datasketch MinHashLSH", f"{n:,}", f"{t_ds.seconds:.2f}", fmt_rate(n, t_ds.seconds), runs(t_ds)],
     ]
 
@@ -353,8 +353,8 @@ SPEED_HEADER = ["pipeline", "texts", "seconds (median)", "texts/s", "runs (s eac
 
 def load_sharegpt() -> list[str]:
     from tasks.config import SourceConfig
-    from tasks.prompts import Prompt, normalise_record
-    from tasks.sources import read_source
+    from tasks.discover.prompts import Prompt, normalise_record
+    from tasks.discover.sources import read_source
 
     recs, _ = read_source(SourceConfig(name="sharegpt", kind="sharegpt_package"))
     return [p.text for p in (normalise_record(r.data) for r in recs) if isinstance(p, Prompt)]

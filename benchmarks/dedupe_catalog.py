@@ -1,6 +1,6 @@
 """Dedupe a large synthetic catalog incrementally against the lineage store (issue 27).
 
-The path is discover's own driver, `tasks.outcomes.decide_and_write`: per batch `prepare_batch`
+The path is discover's own driver, `tasks.discover.outcomes.decide_and_write`: per batch `prepare_batch`
 (normalise, MinHash signatures, while the previous batch is written), `resolve_batch` (exact dedupe
 against the store, LSH near dedupe against the store's index and the batch), then
 `LineageStore.write_discover_batch` (records, prompts with their text, the index segment, one
@@ -271,10 +271,10 @@ def timed_pass(args: argparse.Namespace, workspace: Path, name: str) -> dict:
     """One pass over the catalog in `workspace`/catalog, into a new store in `workspace`/`name`."""
     from storage.lineage import LineageStore
     from tasks.config import NearDedupeConfig
-    from tasks.dedupe import lsh_params
-    import tasks.outcomes as outcomes
-    from tasks.outcomes import decide_and_write, minhash_params_key
-    from tasks.sources import RawRecord
+    from tasks.discover.dedupe import lsh_params
+    import tasks.discover.outcomes as outcomes
+    from tasks.discover.outcomes import decide_and_write, minhash_params_key
+    from tasks.discover.sources import RawRecord
 
     texts_folder = workspace / "catalog"
     catalog, members_of = load_catalog(texts_folder)

@@ -28,14 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import load, table  # noqa: E402
 from serving.client import Endpoint, ServerPool  # noqa: E402
-from serving.embedded import LlamaCppServer  # noqa: E402
-from tasks.sources import sharegpt_package_path  # noqa: E402
-from tasks.target import smollm2_gguf_path  # noqa: E402
+from serving.llamacpp.server import LlamaCppServer  # noqa: E402
+from tasks.discover.sources import sharegpt_package_path  # noqa: E402
+from tasks.model.target import smollm2_gguf_path  # noqa: E402
 
 
 def sharegpt_prompts(n: int, skip: int = 0) -> list[str]:
     """The first `n` English-looking first human turns of the packaged ShareGPT file, 20-600 chars."""
-    from tasks.sources import read_file
+    from tasks.discover.sources import read_file
 
     records, _ = read_file(sharegpt_package_path(), "sharegpt", "bench")
     out = []

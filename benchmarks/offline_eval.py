@@ -35,17 +35,17 @@ sys.path.insert(0, str(ROOT / "tests"))
 import torch  # noqa: E402
 
 from benchmarks.report import load, table  # noqa: E402
-from tasks import evaluate as after_module  # noqa: E402
-from tasks.evaluate import HUMANEVAL, benchmark_sets, first_difference, prompts_for_benchmark, target_greedy  # noqa: E402
-from tasks.target import load_target, stop_token_ids  # noqa: E402
+from tasks.evaluate import offline as after_module  # noqa: E402
+from tasks.evaluate.offline import HUMANEVAL, benchmark_sets, first_difference, prompts_for_benchmark, target_greedy  # noqa: E402
+from tasks.model.target import load_target, stop_token_ids  # noqa: E402
 
 CACHE = Path(tempfile.gettempdir()) / "eagle3-test-targets"  # the tests' conversions, reused
 BEFORE_COMMIT = "48940e8"
 
 
 def before_module():
-    """tasks/evaluate.py as of BEFORE_COMMIT, imported under another name."""
-    source = subprocess.run(["git", "show", f"{BEFORE_COMMIT}:tasks/evaluate.py"], cwd=ROOT, capture_output=True,
+    """tasks/evaluate/offline.py as of BEFORE_COMMIT, imported under another name."""
+    source = subprocess.run(["git", "show", f"{BEFORE_COMMIT}:tasks/evaluate/offline.py"], cwd=ROOT, capture_output=True,
                             text=True, check=True).stdout
     path = Path(tempfile.mkdtemp(prefix="eagle3-before-")) / "evaluate_before.py"
     path.write_text(source)

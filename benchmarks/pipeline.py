@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from report import load, table  # noqa: E402
-from serving.embedded import free_port  # noqa: E402
+from serving.llamacpp.server import free_port  # noqa: E402
 from storage.lineage import LineageStore  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,7 +1,7 @@
 """What the portable llama.cpp build costs: the same pinned source built portable (our flags) and
 native (`-march=native`, what a user might otherwise build), measured side by side on this CPU.
 
-Builds llama.cpp's own `llama-bench` twice from the sdist the project pins (serving/llama_build.py,
+Builds llama.cpp's own `llama-bench` twice from the sdist the project pins (serving/llamacpp/build.py,
 cached by source hash and flags), then runs both on the embedded target's GGUF (SmolLM2-135M,
 Q4_1), alternating, `--repeat` times each: prompt processing (pp, `-p` tokens) and token generation
 (tg, `-n` tokens) at the machine's thread count. Reports tok/s and portable / native per test.
@@ -26,12 +26,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import cpu_name, load, table  # noqa: E402
-from serving.llama_build import NATIVE_CMAKE_ARGS, PORTABLE_CMAKE_ARGS, build_tool  # noqa: E402
-from tasks.target import smollm2_gguf_path, this_cpu_flags  # noqa: E402
+from serving.llamacpp.build import NATIVE_CMAKE_ARGS, PORTABLE_CMAKE_ARGS, build_tool  # noqa: E402
+from tasks.model.target import smollm2_gguf_path, this_cpu_flags  # noqa: E402
 
 
 def cpu_flags() -> str:
-    have = this_cpu_flags()  # the project's reader of /proc/cpuinfo (tasks/target.py)
+    have = this_cpu_flags()  # the project's reader of /proc/cpuinfo (tasks/model/target.py)
     if not have:
         return "?"
     return ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "avx_vnni", "amx_tile") if f in have)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from tasks.sources import read_file, sharegpt_package_path  # noqa: E402
+from tasks.discover.sources import read_file, sharegpt_package_path  # noqa: E402
 
 ANSWER_CHARS_IN_SOURCES = 300
 SOURCES = [  # name, file, format written, the share of records it holds

@@ -65,7 +65,7 @@ def private_prefect_env() -> Path | None:
     it reads its settings at import."""
     home = None
     if not os.environ.get("PREFECT_API_URL"):
-        from serving.embedded import free_port  # imports no Prefect
+        from serving.llamacpp.server import free_port  # imports no Prefect
 
         home = Path(tempfile.mkdtemp(prefix="eagle3-bench-prefect-"))
         atexit.register(shutil.rmtree, home, ignore_errors=True)  # also after --help or an error

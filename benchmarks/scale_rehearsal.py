@@ -50,7 +50,7 @@ import pyarrow.parquet as pq  # noqa: E402
 import yaml  # noqa: E402
 
 from flows.prefect_api import start_local_api  # noqa: E402
-from serving.embedded import free_port  # noqa: E402
+from serving.llamacpp.server import free_port  # noqa: E402
 from serving.scripted_server import long_answer, spawn  # noqa: E402
 from storage.lineage import LineageStore  # noqa: E402
 

@@ -29,7 +29,7 @@ Ablations (`--ablate`, at `--ablate-size`, default 50K): the from-scratch contro
 (`train.epochs=4`, `extract.draft_vocab_size=16384`, `data.loss_on=all`, or several joined by commas), each
 in its own workspace `<workspace>/controls/scratch-N-<change>`; the report compares each with the control.
 
-Measurement (every arm and size alike): offline acceptance (tasks/evaluate.py, the benchmark flow's
+Measurement (every arm and size alike): offline acceptance (tasks/evaluate/offline.py, the benchmark flow's
 measuring: greedy chain of depth k, lossless-checked) of the export, loaded through the serving
 contract check, on the main workspace's held-out chat prompts (`heldout_chat`) and HumanEval, at each
 k of `--ks` (default 3 4), with both baselines (prompt lookup, the same draft fed only the final
@@ -321,11 +321,11 @@ class Study:
 
     def masked_tokens(self, gens: list[tuple[str, str, int]]) -> list[int]:
         """Loss-masked tokens of each generation's sample, tokenised exactly as the main extraction tokenises
-        (tasks.chat.tokenise_rows with its max_length and overflow; cached): the study's sizes count these,
+        (tasks.extract.chat.tokenise_rows with its max_length and overflow; cached): the study's sizes count these,
         not completion tokens (a truncated conversation, or one whose rendering differs from the server's
         ids, trains on fewer tokens than the target wrote)."""
         from storage.datasets import read_generation_rows
-        from tasks.chat import Sample, tokenise_rows
+        from tasks.extract.chat import Sample, tokenise_rows
 
         todo = [(g, f) for g, f, _ in gens if g not in self._masked]
         if todo:
@@ -342,9 +342,9 @@ class Study:
     # -- measuring
     def target(self):
         if self._target is None:
-            from tasks.evaluate import benchmark_sets, prompts_for_benchmark
-            from tasks.heldout import heldout_set
-            from tasks.target import load_configured_target, stop_token_ids
+            from tasks.evaluate.offline import benchmark_sets, prompts_for_benchmark
+            from tasks.evaluate.heldout import heldout_set
+            from tasks.model.target import load_configured_target, stop_token_ids
 
             t = self.cfg.bench_section().target
             model, tokenizer, identity = load_configured_target(t.gguf, t.model_path, t.revision, t.trust_remote_code,
@@ -358,7 +358,7 @@ class Study:
         return self._target
 
     def measure(self, export: str, ks: list[int]) -> dict[int, dict]:
-        from tasks.evaluate import evaluate_acceptance, load_draft_for_target, standard_drafters
+        from tasks.evaluate.offline import evaluate_acceptance, load_draft_for_target, standard_drafters
 
         model, _, _, prompts, stops = self.target()
         draft = load_draft_for_target(export, model)  # the serving contract is checked first
@@ -451,7 +451,7 @@ class Study:
         from flows.train import train
         from storage.lineage import LineageStore
         from tasks.config import ImportConfig, RegenerateConfig
-        from tasks.target import embedded_identity
+        from tasks.model.target import embedded_identity
 
         arm, slug = ablation_arm(change)
         if self.arm != MAIN:  # an arm of another study (benchmarks/selection_study.py): its controls carry its name
@@ -506,7 +506,7 @@ class Study:
         token ids and loss masks the main extraction made of them (so the control trains on the same samples);
         `loss_on="all"`: every token's mask set (system and user turns and template tokens trained on too)."""
         from storage.datasets import read_generation_rows
-        from tasks.chat import Sample, tokenise_rows
+        from tasks.extract.chat import Sample, tokenise_rows
 
         found = self.store.extract_settings(None)
         if found is None:
@@ -594,7 +594,7 @@ def main() -> None:
         return
 
     from flows.prefect_api import start_local_api
-    from serving.embedded import free_port
+    from serving.llamacpp.server import free_port
 
     home = Path(tempfile.mkdtemp(prefix="eagle3-scaling-prefect-"))
     port = free_port()

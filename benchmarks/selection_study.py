@@ -145,7 +145,7 @@ def arm_config(cfg, root: Path, arm: str, proxy_url: str, revision: str, templat
 
 def arm_data(store) -> dict:
     """What an arm regenerated: completion tokens, generations, and generations per cluster."""
-    from tasks.domains import TAGGER
+    from tasks.discover.domains import TAGGER
 
     if not store.path.exists():
         return {}
@@ -290,10 +290,10 @@ def plot(results: Path, out: Path, k: int = 3) -> Path | None:
 def run(args: argparse.Namespace) -> None:
     from flows.prefect_api import start_local_api
     from flows.probe import probe
-    from serving.embedded import LlamaCppServer, free_port
+    from serving.llamacpp.server import LlamaCppServer, free_port
     from storage.lineage import LineageStore
     from tasks.config import load_config
-    from tasks.target import embedded_identity
+    from tasks.model.target import embedded_identity
 
     cfg = load_config(args.config)
     if args.quick:

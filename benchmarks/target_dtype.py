@@ -7,7 +7,7 @@ float32 instead. Both dtypes, in one run, on the same real inputs:
 1. Extraction: the flow's extractor (`HFExtractor.extract`, aux layers [1, 14, 26], final_hidden
    teacher) over the first `--samples` ShareGPT samples (rendered with the GGUF's chat template,
    max_length 1024, truncate; benchmarks/extract.py's `render`), batched as the flow batches them.
-2. Offline evaluation's target side: greedy decoding (`tasks.evaluate.target_greedy`) of
+2. Offline evaluation's target side: greedy decoding (`tasks.evaluate.offline.target_greedy`) of
    `--new-tokens` tokens for the first `--prompts` held-out-chat-like prompts (the same samples'
    user turns).
 
@@ -40,9 +40,9 @@ import torch  # noqa: E402
 from extract import MAX_BATCH_TOKENS, render, sharegpt_records  # noqa: E402  (benchmarks/extract.py)
 from report import cpu_name, load  # noqa: E402
 
-from tasks.evaluate import target_greedy  # noqa: E402
-from tasks.extract import Extracted, ExtractSettings, HFExtractor, aux_hidden_float, default_aux_layer_ids  # noqa: E402
-from tasks.target import (CPU_BF16_FLAGS, gguf_chat_template, load_target, resolve_target_dtype,  # noqa: E402
+from tasks.evaluate.offline import target_greedy  # noqa: E402
+from tasks.extract.hf_backend import Extracted, ExtractSettings, HFExtractor, aux_hidden_float, default_aux_layer_ids  # noqa: E402
+from tasks.model.target import (CPU_BF16_FLAGS, gguf_chat_template, load_target, resolve_target_dtype,  # noqa: E402
                           smollm2_gguf_path, this_cpu_flags)
 
 DTYPES = ("bfloat16", "float32")

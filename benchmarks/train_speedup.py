@@ -1,6 +1,6 @@
 """Training tokens/s of the demo's draft: this tree's train_step against a baseline commit's, side by side in one run.
 
-The baseline's `tasks/draft_model.py` and `tasks/train.py` (default commit c56fe19, before the fused
+The baseline's `tasks/model/draft.py` and `tasks/train/steps.py` (default commit c56fe19, before the fused
 TTT attention, the split teacher and the fused soft cross entropy) are read with `git show` and
 imported as separate modules (`baseline_draft_model`, `baseline_train`; everything else they import
 is this tree's). Each side gets its own draft and optimizer built the same way from the same seed
@@ -52,9 +52,9 @@ import torch
 import yaml
 
 from report import load, table  # benchmarks/report.py
-import tasks.draft_model as dm
-import tasks.train as tr
-import tasks.ttt as ttt_mod
+import tasks.model.draft as dm
+import tasks.train.steps as tr
+import tasks.train.ttt as ttt_mod
 
 SEED = 0
 DEFAULT_BASELINE = "c56fe19"
@@ -67,7 +67,7 @@ def load_baseline(commit: str, folder: Path):
     for name in ("draft_model", "train"):
         sources[name] = subprocess.run(["git", "show", f"{commit}:tasks/{name}.py"], cwd=ROOT, check=True,
                                        capture_output=True, text=True).stdout
-    sources["train"] = sources["train"].replace("from tasks.draft_model import", "from baseline_draft_model import")
+    sources["train"] = sources["train"].replace("from tasks.model.draft import", "from baseline_draft_model import")
     modules = []
     for name in ("draft_model", "train"):
         path = folder / f"baseline_{name}.py"
@@ -90,12 +90,12 @@ def demo_settings() -> dict:
 
 
 def prepare(settings: dict, prompts: int):
-    from tasks.chat import Sample, render_and_mask
-    from tasks.extract import ExtractSettings, HFExtractor, default_aux_layer_ids
-    from tasks.prompts import Prompt, normalise_record
-    from tasks.sources import read_file, sharegpt_package_path
-    from tasks.target import gguf_chat_template, load_target, smollm2_gguf_path
-    from tasks.vocab import build_draft_vocab, count_tokens
+    from tasks.extract.chat import Sample, render_and_mask
+    from tasks.extract.hf_backend import ExtractSettings, HFExtractor, default_aux_layer_ids
+    from tasks.discover.prompts import Prompt, normalise_record
+    from tasks.discover.sources import read_file, sharegpt_package_path
+    from tasks.model.target import gguf_chat_template, load_target, smollm2_gguf_path
+    from tasks.extract.vocab import build_draft_vocab, count_tokens
 
     model, tokenizer = load_target()
     template = gguf_chat_template(smollm2_gguf_path())
@@ -162,7 +162,7 @@ def main() -> int:
     settings = demo_settings()
     head_sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "tasks/draft_model.py", "tasks/train.py"], cwd=ROOT,
+    dirty = subprocess.run(["git", "status", "--porcelain", "tasks/model/draft.py", "tasks/train/steps.py"], cwd=ROOT,
                            capture_output=True, text=True).stdout.strip()
     print(f"train speedup benchmark  {datetime.date.today()}  {platform.python_implementation()} "
           f"{platform.python_version()}  torch {torch.__version__}  torch threads {torch.get_num_threads()}  "

@@ -10,7 +10,7 @@ round cost. The offline evaluator's acceptance for the same draft, prompts and k
 scaling or selection study's results when the draft is one of their points, else measured here (`--offline`).
 
 The draft: a speculators export, or an SGLang export (the scaling study writes those), converted here
-once into `<draft>-speculators` through the project's own export (tasks/export.py).
+once into `<draft>-speculators` through the project's own export (tasks/export/checkpoint.py).
 
 Run (after `make install vllm`):
     .venv/bin/python benchmarks/vllm_serving.py --workspace runs/scaling --draft PATH [--ks 1 2 3 4]
@@ -41,7 +41,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "vllm_serving.jsonl"
 
 def speculators_folder(draft: Path, target_folder: Path) -> Path:
     """`draft` itself if it is a speculators export, else its SGLang export converted once beside it."""
-    from tasks.export import SPECULATORS_ARCHITECTURE, export_speculators, load_sglang
+    from tasks.export.checkpoint import SPECULATORS_ARCHITECTURE, export_speculators, load_sglang
 
     config = json.loads((draft / "config.json").read_text())
     if config.get("architectures") == [SPECULATORS_ARCHITECTURE]:
@@ -84,12 +84,12 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="without --enforce-eager (torch.compile; slow starts)")
     args = ap.parse_args()
 
-    from serving.engine_bench import VllmEngine, agreement, agreement_line, plot_engine_benchmark, run_engine_benchmark
-    from serving.vllm_server import VllmEngineArgs
+    from serving.bench.engines import VllmEngine, agreement, agreement_line, plot_engine_benchmark, run_engine_benchmark
+    from serving.vllm.extract_server import VllmEngineArgs
     from storage.lineage import LineageStore
-    from tasks.evaluate import prompts_for_benchmark
-    from tasks.heldout import heldout_set
-    from tasks.target import load_configured_target, load_configured_target_files
+    from tasks.evaluate.offline import prompts_for_benchmark
+    from tasks.evaluate.heldout import heldout_set
+    from tasks.model.target import load_configured_target, load_configured_target_files
 
     files = load_configured_target_files(None, None, dtype=args.dtype)
     model, tokenizer, identity = load_configured_target(None, None, dtype="float32", device="cpu")
@@ -150,8 +150,8 @@ def main() -> None:
 
 def measure_offline(model, tokenizer, template, draft: Path, held, n: int, k: int, max_new: int) -> float | None:
     """The offline evaluator's token-weighted acceptance of `draft` on the first `n` held-out prompts at k."""
-    from tasks.evaluate import offline_acceptance
-    from tasks.export import load_speculators
+    from tasks.evaluate.offline import offline_acceptance
+    from tasks.export.checkpoint import load_speculators
 
     loaded = load_speculators(draft, embed_tokens=model.get_input_embeddings().weight.detach()).eval()
     report = offline_acceptance(model, tokenizer, loaded, chat_template=template, sets=[held], limit=n, k=k,

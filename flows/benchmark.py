@@ -10,7 +10,7 @@ it (`serving`: the baseline, the draft at each K, n-gram drafting; lossless chec
 online vs offline acceptance), and store every number in `benchmark_results` linked to the
 checkpoint, with Prefect table artifacts and PNG plots, the workspace's acceptance curve
 (reports/acceptance_curve.png, from the view `acceptance_curve`) among them. The measuring is in
-tasks/evaluate.py, serving/online_bench.py and serving/engine_bench.py.
+tasks/evaluate/offline.py, serving/bench/online.py and serving/bench/engines.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from flows.runinfo import lineage_run
 from storage.lineage import LineageError, LineageStore
 from tasks.config import BenchConfig
-from tasks.target import load_configured_target
+from tasks.model.target import load_configured_target
 
 
 class ContractFailed(RuntimeError):
@@ -70,10 +70,10 @@ def benchmark(config: BenchConfig) -> BenchSummary:
 
 def _benchmark(config: BenchConfig, store: LineageStore, run_id: str, logger) -> BenchSummary:
     from serving.doctor import expected_aux_layer_ids_from_lineage, run_doctor
-    from tasks.export import load_sglang
-    from tasks.evaluate import benchmark_sets, offline_acceptance
-    from tasks.curve import acceptance_curve_png
-    from tasks.heldout import heldout_set
+    from tasks.export.checkpoint import load_sglang
+    from tasks.evaluate.offline import benchmark_sets, offline_acceptance
+    from tasks.evaluate.curve import acceptance_curve_png
+    from tasks.evaluate.heldout import heldout_set
 
     row = store.checkpoint_row(config.checkpoint) if config.checkpoint else store.checkpoint_row(fmt="sglang")
     draft_dir = Path(config.checkpoint) if config.checkpoint else Path(row["path"]) if row else None
@@ -150,8 +150,8 @@ def _online(config: BenchConfig, store: LineageStore, run_id: str, summary: Benc
     """Probe each speculative server, then every config at every concurrency, then break-even."""
     import asyncio
 
-    from serving.online_bench import ServerConfig, plot_throughput, probe_acceptance, run_online_benchmark
-    from tasks.evaluate import prompts_for_benchmark
+    from serving.bench.online import ServerConfig, plot_throughput, probe_acceptance, run_online_benchmark
+    from tasks.evaluate.offline import prompts_for_benchmark
 
     online = config.online
     assert online is not None
@@ -188,9 +188,9 @@ def _serving(config: BenchConfig, store: LineageStore, run_id: str, summary: Ben
              target: Path, draft: Path, sets, tokenizer, template, offline_acceptance: float | None,
              expected: list[int] | None, logger) -> None:
     """One engine started here: the baseline, the draft at each K, the engine's n-gram drafting; rows, plot, verdict."""
-    from serving.engine_bench import (ENGINE_NAMES, LlamaCppEngine, agreement, agreement_line, plot_engine_benchmark,
+    from serving.bench.engines import (ENGINE_NAMES, LlamaCppEngine, agreement, agreement_line, plot_engine_benchmark,
                                       run_engine_benchmark)
-    from tasks.evaluate import prompts_for_benchmark
+    from tasks.evaluate.offline import prompts_for_benchmark
 
     serving = config.serving
     assert serving is not None
@@ -250,7 +250,7 @@ def _serving(config: BenchConfig, store: LineageStore, run_id: str, summary: Ben
 
 def _refuse_unlike_trained(draft: Path, expected: list[int] | None):
     """Right after a vLLM server starts: what vLLM itself says it loaded must be the draft as trained."""
-    from serving.doctor.vllm_live import failed_loaded_checks
+    from serving.vllm.doctor_live import failed_loaded_checks
 
     def check(ec, server) -> None:
         failed = failed_loaded_checks(server, expected)
@@ -262,8 +262,8 @@ def _refuse_unlike_trained(draft: Path, expected: list[int] | None):
 
 def _vllm_engine(v, target: Path):
     """vLLM's engine from `benchmark.serving.vllm`."""
-    from serving.engine_bench import VllmEngine
-    from serving.vllm_server import VllmEngineArgs, default_vllm_python
+    from serving.bench.engines import VllmEngine
+    from serving.vllm.extract_server import VllmEngineArgs, default_vllm_python
 
     args = VllmEngineArgs(model=target, dtype=v.dtype, max_model_len=v.max_model_len, max_num_seqs=v.max_num_seqs,
                           cpu_kvcache_space_gib=v.cpu_kvcache_space_gib, enforce_eager=v.enforce_eager,
@@ -284,7 +284,7 @@ def _serving_drafts(config: BenchConfig, store: LineageStore, row: dict | None) 
 
 def _serving_ggufs(config: BenchConfig, store: LineageStore, row: dict | None) -> tuple[Path, Path]:
     """The target GGUF llama-server serves, and the draft's GGUF export (the checkpoint's, from lineage)."""
-    from tasks.target import smollm2_gguf_path
+    from tasks.model.target import smollm2_gguf_path
 
     serving = config.serving
     assert serving is not None
@@ -299,7 +299,7 @@ def _serving_ggufs(config: BenchConfig, store: LineageStore, row: dict | None) -
     draft = Path(serving.draft_gguf) if serving.draft_gguf else \
         _lineage_export(config, store, row, "gguf", "benchmark.serving.draft_gguf")
     if draft.is_dir():
-        from tasks.export_gguf import GGUF_FILE
+        from serving.llamacpp.export import GGUF_FILE
 
         draft = draft / GGUF_FILE
     for what, path in (("target", target), ("draft", draft)):
@@ -323,7 +323,7 @@ def _lineage_export(config: BenchConfig, store: LineageStore, row: dict | None, 
 
 def _vllm_paths(config: BenchConfig, store: LineageStore, row: dict | None) -> tuple[Path, Path]:
     """The target's transformers folder vLLM serves, and the draft's speculators export (the checkpoint's, from lineage)."""
-    from tasks.target import load_configured_target_files
+    from tasks.model.target import load_configured_target_files
 
     serving = config.serving
     assert serving is not None
@@ -370,7 +370,7 @@ def acceptance_png(report, path: Path) -> Path:
 
 
 def _artifacts(summary: BenchSummary) -> None:
-    from serving.engine_bench import ENGINE_NAMES
+    from serving.bench.engines import ENGINE_NAMES
 
     create_table_artifact(key="benchmark-acceptance", table=summary.rows,
                           description=f"offline acceptance of {summary.checkpoint or summary.draft_dir} "

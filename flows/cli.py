@@ -126,7 +126,7 @@ def serving_view(rows: list[dict]) -> tuple[list[str], list[tuple]]:
 
 def _print_serving(rows: list[dict], lines: list[str]) -> None:
     """Each engine's table, then its verdict (faster or slower, break-even, lossless, online vs offline)."""
-    from serving.engine_bench import ENGINE_NAMES, SERVER_NAMES
+    from serving.bench.engines import ENGINE_NAMES, SERVER_NAMES
 
     for engine in dict.fromkeys(r.get("engine", "llamacpp") for r in rows):
         mine = [r for r in rows if r.get("engine", "llamacpp") == engine]
@@ -145,7 +145,7 @@ def _print_serving(rows: list[dict], lines: list[str]) -> None:
 
 def _serving_lines_from_rows(rows: list[dict]) -> list[str]:
     """The verdict lines of each engine's rows (read back from the store), named by engine as the flow names them."""
-    from serving.engine_bench import ENGINE_NAMES, agreement_line, verdict_lines
+    from serving.bench.engines import ENGINE_NAMES, agreement_line, verdict_lines
 
     out = []
     for engine in dict.fromkeys(r.get("engine", "llamacpp") for r in rows):
@@ -170,10 +170,10 @@ def _run_flow(fn, *args, **kwargs):
     from flows.pipeline import PipelineStuck
     from flows.regenerate import StageBusy
     from serving.client import EndpointsDown, RequestFailed
-    from serving.embedded import ServerDied, ServerStartError
-    from tasks.decontaminate import EvalSetError
+    from serving.llamacpp.server import ServerDied, ServerStartError
+    from tasks.discover.decontaminate import EvalSetError
     from storage.shards import CorruptShard
-    from tasks.sources import SourceError
+    from tasks.discover.sources import SourceError
 
     url = resolve_api_url()
     err.print(f"Prefect API: {url} (UI: {url.removesuffix('/api')})", highlight=False)  # stdout stays the result
@@ -365,7 +365,7 @@ def doctor(
         err.print(f"[red]--engine must be one of {', '.join(ENGINES)}, not {engine!r}[/red]", highlight=False)
         raise typer.Exit(2)
     if target is None:
-        from tasks.target import load_target, smollm2_gguf_path, target_cache_folder
+        from tasks.model.target import load_target, smollm2_gguf_path, target_cache_folder
 
         load_target()  # converts the GGUF once; its folder holds the config the doctor reads
         target = str(target_cache_folder(smollm2_gguf_path()))
@@ -534,8 +534,8 @@ def check_install(
     log: Path = typer.Option(Path(".venv/check-install-server.log"), "--log", help="The server's log."),
 ) -> None:
     """Prove the embedded server runs here: portable llama.cpp libraries, and one greedy request served."""
-    from serving.install_check import InstallCheckFailed, check_install as run_checks
-    from tasks.target import smollm2_gguf_path
+    from serving.llamacpp.install_check import InstallCheckFailed, check_install as run_checks
+    from tasks.model.target import smollm2_gguf_path
 
     try:
         report = run_checks(gguf or smollm2_gguf_path(), log)

@@ -20,10 +20,10 @@ from flows.runinfo import lineage_run
 from storage.lineage import LineageStore
 from storage.schema import OUTCOMES
 from tasks.config import DiscoverConfig, SourceConfig
-from tasks.decontaminate import build_index
-from tasks.domains import tag_untagged
-from tasks.outcomes import backfill_signatures, decide_and_write
-from tasks.sources import RawRecord, ReadReport, read_source, sample_records, source_quotas
+from tasks.discover.decontaminate import build_index
+from tasks.discover.domains import tag_untagged
+from tasks.discover.outcomes import backfill_signatures, decide_and_write
+from tasks.discover.sources import RawRecord, ReadReport, read_source, sample_records, source_quotas
 
 read_hub_task = task(read_source, name="read-hub-source", retries=2, retry_delay_seconds=5, cache_policy=NO_CACHE)
 read_local_task = task(read_source, name="read-source", cache_policy=NO_CACHE)

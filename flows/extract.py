@@ -40,15 +40,15 @@ from flows.runinfo import lineage_run
 from storage.datasets import file_sha256, read_generation_rows, write_bytes_atomic
 from storage.lineage import LineageError, LineageStore
 from storage.shards import ShardStore
-from tasks.chat import Sample, Tokenised, tokenise_rows
+from tasks.extract.chat import Sample, Tokenised, tokenise_rows
 from tasks.config import ExtractConfig
-from tasks.extract import Extractor, ExtractSettings, build_extractor, default_aux_layer_ids
-from tasks.rounds import extract_key, plan_shard, sample_id, tokenize_key
-from tasks.shard_job import ShardJob, ShardOutcome, WorkerSpec, run_shard_job, run_shard_job_on_worker
-from tasks.extract_vllm import open_vllm_extractor, text_config
-from tasks.target import (TargetFiles, TargetIdentity, load_configured_target, load_configured_target_files,
+from tasks.extract.hf_backend import Extractor, ExtractSettings, build_extractor, default_aux_layer_ids
+from tasks.extract.plan import extract_key, plan_shard, sample_id, tokenize_key
+from tasks.extract.shard_job import ShardJob, ShardOutcome, WorkerSpec, run_shard_job, run_shard_job_on_worker
+from tasks.extract.vllm_backend import open_vllm_extractor, text_config
+from tasks.model.target import (TargetFiles, TargetIdentity, load_configured_target, load_configured_target_files,
                           resolve_target_dtype)
-from tasks.vocab import (DraftVocab, TokenCounter, build_draft_vocab, coverage_report, load_vocab, save_vocab,
+from tasks.extract.vocab import (DraftVocab, TokenCounter, build_draft_vocab, coverage_report, load_vocab, save_vocab,
                          split_half_coverage, thin_vocab_warning, vocab_drift_warning)
 
 READ_CHUNK = 256  # generations read and tokenised at a time
@@ -60,9 +60,9 @@ class ExtractSummary:
     extract_key: str = ""
     vocab_id: str = ""
     vocab_coverage: float = 0.0  # of the tokens the vocab was built from
-    vocab_expected_coverage: float | None = None  # of tokens it was not chosen from (tasks.vocab.split_half_coverage)
+    vocab_expected_coverage: float | None = None  # of tokens it was not chosen from (tasks.extract.vocab.split_half_coverage)
     extracted_vocab_coverage: float | None = None  # of the loss-masked tokens this run extracted
-    vocab_warning: str | None = None  # tasks.vocab.vocab_drift_warning: this run's tokens covered worse than its own
+    vocab_warning: str | None = None  # tasks.extract.vocab.vocab_drift_warning: this run's tokens covered worse than its own
     aux_layer_ids: list[int] = field(default_factory=list)
     pending_at_start: int = 0
     shards_written: int = 0
@@ -462,7 +462,7 @@ def _rounds(ctx: StageContext, pending: list[tuple[str, str, str]], ekey: str, s
                 if plan.count == len(queue) and not exhausted:
                     break  # a fuller shard is possible once the next chunk is tokenised
                 taken, queue = queue[:plan.count], queue[plan.count:]
-                for _, _, t in taken:  # what the vocab must cover: tasks.vocab.vocab_drift_warning
+                for _, _, t in taken:  # what the vocab must cover: tasks.extract.vocab.vocab_drift_warning
                     extracted_tokens.add(t.result.input_ids, t.result.loss_mask)  # type: ignore[union-attr]
                 seq += 1
                 job = ShardJob(name=f"{ekey[:8]}-{seq:06d}.safetensors", extract_key=ekey, settings=settings,

@@ -2,7 +2,7 @@
 
 Orchestration only: pick the latest SGLang export in lineage, skip it if this tagger already probed
 it, load the target and the draft (the serving contract check first, in `load_draft_for_target`),
-measure (tasks/probe.py) and store the rows in `probe_results`, with a Prefect table artifact. The
+measure (tasks/evaluate/probe.py) and store the rows in `probe_results`, with a Prefect table artifact. The
 next `regenerate` with `selection: acceptance` reads them.
 """
 
@@ -17,7 +17,7 @@ from prefect.artifacts import create_table_artifact
 from flows.runinfo import lineage_run
 from storage.lineage import LineageError, LineageStore
 from tasks.config import ProbeConfig
-from tasks.domains import TAGGER
+from tasks.discover.domains import TAGGER
 
 
 @dataclass
@@ -40,9 +40,9 @@ def probe(config: ProbeConfig) -> ProbeSummary:
 
 
 def _probe(config: ProbeConfig, store: LineageStore, run_id: str, logger) -> ProbeSummary:
-    from tasks.evaluate import load_draft_for_target
-    from tasks.probe import measure_probe, probe_sets
-    from tasks.target import load_configured_target
+    from tasks.evaluate.offline import load_draft_for_target
+    from tasks.evaluate.probe import measure_probe, probe_sets
+    from tasks.model.target import load_configured_target
 
     row = store.checkpoint_row(fmt="sglang")
     if row is None:

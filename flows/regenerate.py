@@ -5,7 +5,7 @@ imports, the server (embedded llama-server with parallel slots, or configured en
 progress (console bar with tokens/s and ETA, Prefect progress and table artifacts). It stops at
 once, FAILED with the cause, when the embedded server dies (`ServerDied`) or every endpoint stays
 down past the outage window (`EndpointsDown`): prompts are then left pending, never recorded as
-failed, and the same command resumes. The work is in tasks/regenerate.py, HTTP in serving/,
+failed, and the same command resumes. The work is in tasks/regenerate/answers.py, HTTP in serving/,
 persistence in storage/.
 """
 
@@ -26,12 +26,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from flows.runinfo import lineage_run
 from serving.client import Endpoint, EndpointsDown, RetryPolicy, ServerPool
-from serving.embedded import ServerDied
+from serving.llamacpp.server import ServerDied
 from storage.datasets import remove_unregistered
 from storage.lineage import LineageStore
 from tasks.config import RegenerateConfig
-from tasks.regenerate import GenerationSpec, GenerationWriter, import_finished_generations, regenerate_all
-from tasks.selection import choose_batch, selection_table
+from tasks.regenerate.answers import GenerationSpec, GenerationWriter, import_finished_generations, regenerate_all
+from tasks.regenerate.selection import choose_batch, selection_table
 
 choose_task = task(choose_batch, name="choose-prompts", cache_policy=NO_CACHE)
 
@@ -95,7 +95,7 @@ def regenerate(config: RegenerateConfig) -> RegenerateSummary:
     with stage_lock(ws, "regenerate"):
         store = LineageStore(ws / "lineage.duckdb")
         if config.embedded_server is not None:
-            from tasks.target import embedded_identity
+            from tasks.model.target import embedded_identity
 
             gguf, revision, template_id = embedded_identity(config.embedded_server.gguf)
             config = config.model_copy(update={"target_revision": revision})
@@ -124,7 +124,7 @@ def _regenerate(config: RegenerateConfig, store: LineageStore, spec: GenerationS
     summary.imported = import_task(config, writer, logger)
 
     # Which pending prompts this run sends (all of them without a `limit`): uniform, or where the
-    # latest probe found the draft accepting least (tasks/selection.py).
+    # latest probe found the draft accepting least (tasks/regenerate/selection.py).
     chosen = choose_task(store, spec.params_key, config.retry_failed, config.limit, config.selection,
                          config.selection_strength)
     pending = store.prompt_messages([s.prompt_id for s in chosen])
@@ -148,7 +148,7 @@ def _regenerate(config: RegenerateConfig, store: LineageStore, spec: GenerationS
         logger.info("selection: cluster %s, %d prompt(s): %s", row["cluster"], row["prompts"], row["reason"])
 
     if config.embedded_server is not None:
-        from serving.embedded import LlamaCppServer
+        from serving.llamacpp.server import LlamaCppServer
 
         es = config.embedded_server
         server = stack.enter_context(LlamaCppServer(gguf=gguf, port=es.port, n_ctx=es.n_ctx, n_threads=es.n_threads,

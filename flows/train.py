@@ -32,19 +32,19 @@ from flows.runinfo import lineage_run
 from storage.datasets import file_sha256, read_generation_rows
 from storage.lineage import LineageError, LineageStore
 from storage.shards import ShardStore
-from tasks.chat import Sample, tokenise_rows
+from tasks.extract.chat import Sample, tokenise_rows
 from tasks.config import TrainConfig
-from tasks.draft_model import (DraftConfig, Eagle3Draft, init_head_from_target, load_target_embeddings,
+from tasks.model.draft import (DraftConfig, Eagle3Draft, init_head_from_target, load_target_embeddings,
                                target_final_norm_weight, target_head_weight)
-from tasks.ttt import collate
-from tasks.export import export_sglang, export_speculators
-from tasks.export_gguf import GGUF_FILE, export_gguf, llamacpp_converter, target_folder_for
-from tasks.extract import Extracted, ExtractSettings, build_extractor
-from tasks.rounds import delete_consumed_shards, read_shard
-from tasks.target import load_configured_target
-from tasks.train import (DataPosition, Item, Schedule, TrainState, epoch_batches, list_checkpoints, load_checkpoint,
+from tasks.train.ttt import collate
+from tasks.export.checkpoint import export_sglang, export_speculators
+from serving.llamacpp.export import GGUF_FILE, export_gguf, llamacpp_converter, target_folder_for
+from tasks.extract.hf_backend import Extracted, ExtractSettings, build_extractor
+from tasks.extract.plan import delete_consumed_shards, read_shard
+from tasks.model.target import load_configured_target
+from tasks.train.steps import (DataPosition, Item, Schedule, TrainState, epoch_batches, list_checkpoints, load_checkpoint,
                          make_optimizer, micro_batch_index, save_checkpoint, step_groups, train_step, weights_sha256)
-from tasks.vocab import load_vocab
+from tasks.extract.vocab import load_vocab
 
 ONLINE = "online"
 

@@ -4,7 +4,7 @@ Promises: a baseline command either validates with no problems or each problem i
 line: a "baseline" that speculates, runs eagerly, runs remote code unasked or spans the wrong GPU
 count would make every speedup measured against it wrong. Speculative SGLang commands are built
 from the draft checkpoint itself (EAGLE3 for an EAGLE-3 draft, never EAGLE) and only for settings
-SGLang runs as given. The embedded llama.cpp server's process lives in `serving.embedded`.
+SGLang runs as given. The embedded llama.cpp server's process lives in `serving.llamacpp.server`.
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ def sglang_draft_algorithm(draft_config: Mapping[str, object]) -> str:
     acceptance ~1.0 without an error (CONTRACTS.md, failure 1). Anything else is refused, never
     mapped to EAGLE.
     """
-    from tasks.export import SGLANG_ARCHITECTURE, SPECULATORS_ARCHITECTURE
+    from tasks.export.checkpoint import SGLANG_ARCHITECTURE, SPECULATORS_ARCHITECTURE
 
     archs = draft_config.get("architectures") or []
     eagle = draft_config.get("eagle_config")
@@ -248,7 +248,7 @@ def sglang_draft_algorithm(draft_config: Mapping[str, object]) -> str:
                                                or bool(eagle.get("eagle_aux_hidden_state_layer_ids")))
     if archs == [SPECULATORS_ARCHITECTURE]:
         raise ValueError(f"this is a vLLM/speculators draft ({SPECULATORS_ARCHITECTURE}); SGLang loads the "
-                         f"{SGLANG_ARCHITECTURE} export (tasks.export.export_sglang)")
+                         f"{SGLANG_ARCHITECTURE} export (tasks.export.checkpoint.export_sglang)")
     if archs == [SGLANG_ARCHITECTURE] or uses_aux:
         return SGLANG_EAGLE3_ALGORITHM
     raise ValueError(f"architectures {archs!r} is not an EAGLE-3 draft ({SGLANG_ARCHITECTURE}); this pipeline only "

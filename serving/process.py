@@ -1,7 +1,7 @@
 """A server process this code starts and owns: spawn under a watcher, health wait, watch, stop.
 
-Owns what every managed server shares (llama.cpp's `llama-server` in `serving.embedded`, vLLM in
-`serving.vllm_server`): its process group, port choice, log file, health wait and stop. Subclasses
+Owns what every managed server shares (llama.cpp's `llama-server` in `serving.llamacpp.server`, vLLM in
+`serving.vllm.extract_server`): its process group, port choice, log file, health wait and stop. Subclasses
 say only what differs: the command line, the health path, the environment and what to check once
 it answers. Promises: a started server is healthy or the start raises `ServerStartError` with how it
 exited (a signal by name) and the tail of its log; `guard` stops the code using it within a poll

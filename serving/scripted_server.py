@@ -303,7 +303,7 @@ def spawn(*args: str, port: int | None = None, log_path: Path | None = None, com
     """
     import httpx
 
-    from serving.embedded import free_port
+    from serving.llamacpp.server import free_port
 
     port = port or free_port()
     root = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@ SELECTION_MIGRATIONS: list[tuple[int, str, str]] = [
         14,
         "acceptance-aware selection: prompt_tags (domain, cluster), probe_results, prompt_selections",
         """
-        -- one row per prompt and tagger (tasks.domains.TAGGER): changed rules tag again, old rows stay
+        -- one row per prompt and tagger (tasks.discover.domains.TAGGER): changed rules tag again, old rows stay
         CREATE TABLE prompt_tags (
             prompt_id VARCHAR NOT NULL,
             tagger VARCHAR NOT NULL,

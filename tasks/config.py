@@ -83,7 +83,7 @@ class HeldoutConfig(Strict):
     """The held-out chat set: kept prompts reserved for evaluation, never regenerated for training.
 
     A new prompt is held out when a hash of its prompt id falls below `fraction`, while fewer than
-    `cap` prompts are held out in the workspace (tasks.heldout). Decided once, like every outcome.
+    `cap` prompts are held out in the workspace (tasks.evaluate.heldout). Decided once, like every outcome.
     """
 
     fraction: float = Field(default=0.0, ge=0, le=0.5, description=(
@@ -224,7 +224,7 @@ class RegenerateConfig(Strict):
     limit: int | None = Field(default=None, ge=1, description="At most this many prompts this run.")
     selection: Literal["uniform", "acceptance"] = Field(default="uniform", description=(
         "Which pending prompts a `limit`ed run sends: `uniform` (queue order) or `acceptance` (more from the "
-        "clusters where the latest probe found the draft accepting least; tasks/selection.py)."))
+        "clusters where the latest probe found the draft accepting least; tasks/regenerate/selection.py)."))
     selection_strength: float = Field(default=2.0, ge=0.0, le=8.0, description=(
         "acceptance: a cluster's batch share is its pool share x (mean acceptance / its acceptance) ** this."))
     write_batch: int = Field(default=64, ge=1, description="Generations per Parquet file / transaction.")

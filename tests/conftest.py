@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.embedded import free_port  # imports no Prefect: the environment below is set first
+from serving.llamacpp.server import free_port  # imports no Prefect: the environment below is set first
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -24,7 +24,7 @@ def make_tiny_target(folder: Path, hidden_size: int = 64, heads: int = 4, kv_hea
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tasks.target import load_target
+    from tasks.model.target import load_target
 
     _, tokenizer = load_target(cache_dir=TARGET_CACHE)
     torch.manual_seed(0)
@@ -88,8 +88,8 @@ def random_smollm2_export(target: Path, folder: Path, aux: tuple[int, int, int],
     exported for SGLang (bf16); `target` is the target's HF folder (its config.json)."""
     import torch
 
-    from tasks.draft_model import DraftConfig, Eagle3Draft
-    from tasks.export import export_sglang
+    from tasks.model.draft import DraftConfig, Eagle3Draft
+    from tasks.export.checkpoint import export_sglang
 
     config = json.loads((target / "config.json").read_text())
     vocab = int(config["vocab_size"])
@@ -122,7 +122,7 @@ def edit_export(folder: Path, config=None, tensors=None) -> Path:
 
 def sharegpt_chats(n: int, min_turns: int = 2, max_chars: int = 1500) -> list[list[dict]]:
     """The first `n` real ShareGPT conversations (packaged file) with >= `min_turns` turns, as chat messages."""
-    from tasks.sources import read_file, sharegpt_package_path
+    from tasks.discover.sources import read_file, sharegpt_package_path
 
     records, _ = read_file(sharegpt_package_path(), "sharegpt", "tests")
     roles = {"human": "user", "gpt": "assistant"}

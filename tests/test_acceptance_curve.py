@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from typer.testing import CliRunner
 
 from storage.lineage import LineageStore
-from tasks.curve import acceptance_curve_png
+from tasks.evaluate.curve import acceptance_curve_png
 
 DRAFTERS = ("eagle3", "eagle3-final-state-only", "prompt-lookup")
 DOMAINS = ("heldout_chat", "humaneval", "all")

@@ -1,13 +1,13 @@
-"""Tests of tasks.chat on the real SmolLM2 tokenizer (loaded from the GGUF) and, once, the real llama.cpp server."""
+"""Tests of tasks.extract.chat on the real SmolLM2 tokenizer (loaded from the GGUF) and, once, the real llama.cpp server."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from tasks.chat import (Mismatch, Sample, Skipped, carry_mask, check_against_server_ids, mismatch_report, prompt_messages,
+from tasks.extract.chat import (Mismatch, Sample, Skipped, carry_mask, check_against_server_ids, mismatch_report, prompt_messages,
                         render_and_mask, template_supports_reasoning, tokenise_generation)
-from tasks.target import gguf_chat_template, smollm2_gguf_path
+from tasks.model.target import gguf_chat_template, smollm2_gguf_path
 
 SYSTEM_DEFAULT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 THREE_TURNS = [
@@ -197,7 +197,7 @@ def test_the_mismatch_check_finds_a_one_token_difference(tok):
 
 
 def test_prompt_tokens_equal_the_llama_cpp_servers_count(tok, tmp_path):
-    from serving.embedded import LlamaCppServer
+    from serving.llamacpp.server import LlamaCppServer
 
     conversations = [THREE_TURNS[:2], THREE_TURNS,
                      [{"role": "system", "content": "Be brief."}, *THREE_TURNS[:4]],

@@ -31,7 +31,7 @@ import httpx  # noqa: E402
 import pytest  # noqa: E402
 
 from serving.client import ChatResult, Endpoint, EndpointsDown, RequestFailed, RetryPolicy, ServerPool  # noqa: E402
-from serving.embedded import free_port  # noqa: E402
+from serving.llamacpp.server import free_port  # noqa: E402
 from serving.scripted_server import answer_for, spawn  # noqa: E402
 
 KEY_VAR = "EAGLE3_TEST_CLIENT_API_KEY"

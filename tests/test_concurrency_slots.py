@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from serving.embedded import free_port
+from serving.llamacpp.server import free_port
 
 HOLD_SLOT = """
 import sys, time

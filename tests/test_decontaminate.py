@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tasks.config import DecontaminateConfig, EvalSetConfig
-from tasks.decontaminate import EvalSetError, NgramIndex, build_index, humaneval_items, load_eval_set
+from tasks.discover.decontaminate import EvalSetError, NgramIndex, build_index, humaneval_items, load_eval_set
 
 
 def test_humaneval_ships_164_items():

@@ -15,10 +15,10 @@ import pytest
 
 from storage.lineage import LineageStore
 from tasks.config import NearDedupeConfig
-from tasks.dedupe import _densify_table, _EMPTY, band_keys, cluster, lsh_params, ngram_hashes, signatures
-from tasks.outcomes import decide_and_write, decide_outcomes
-from tasks.prompts import canonical_text
-from tasks.sources import RawRecord
+from tasks.discover.dedupe import _densify_table, _EMPTY, band_keys, cluster, lsh_params, ngram_hashes, signatures
+from tasks.discover.outcomes import decide_and_write, decide_outcomes
+from tasks.discover.prompts import canonical_text
+from tasks.discover.sources import RawRecord
 
 VOCAB = [f"w{i}" for i in range(20_000)]
 
@@ -102,7 +102,7 @@ def test_lsh_params_favour_recall_at_the_threshold():
 def test_signatures_are_identical_in_another_process():
     texts = ["The quick brown fox jumps over the lazy dog again and again", "héllo wörld ünïcode text here now"]
     code = (
-        "import json,sys; from tasks.dedupe import signatures; "
+        "import json,sys; from tasks.discover.dedupe import signatures; "
         "print(json.dumps(signatures(json.loads(sys.argv[1])).tolist()))"
     )
     out = subprocess.run([sys.executable, "-c", code, json.dumps(texts)], capture_output=True, text=True, check=True,
@@ -142,7 +142,7 @@ def test_batch_canonicalisation_matches_canonical_text():
 
 
 def test_many_chunks_on_threads_give_the_same_signatures_as_one_by_one():
-    import tasks.dedupe as d
+    import tasks.discover.dedupe as d
 
     base, variants = corpus(n=300)
     texts = base + variants
@@ -273,7 +273,7 @@ def test_deciding_a_batch_runs_without_cyclic_gc_and_gives_it_back(tmp_path, mon
     """Each collection walks every object the process holds: at 1M+ records a third of deciding."""
     import gc
 
-    import tasks.outcomes as outcomes
+    import tasks.discover.outcomes as outcomes
 
     seen = []
     real = outcomes.normalise_record
@@ -336,7 +336,7 @@ class _SlowWriteStore(LineageStore):
 
 
 def test_a_batch_is_resolved_only_after_the_previous_write_committed_and_prepared_during_it(tmp_path, monkeypatch):
-    import tasks.outcomes as outcomes
+    import tasks.discover.outcomes as outcomes
 
     log: list[tuple[str, int]] = []
     real = outcomes.prepare_batch

@@ -20,7 +20,7 @@ import yaml
 from flows.discover import discover
 from storage.lineage import LineageStore
 from tasks.config import DiscoverConfig, load_config
-from tasks.decontaminate import humaneval_items
+from tasks.discover.decontaminate import humaneval_items
 
 ROOT = Path(__file__).resolve().parent.parent
 EAGLE3 = [sys.executable, "-m", "flows.cli"]
@@ -314,7 +314,7 @@ def test_sources_are_read_one_at_a_time_each_decided_before_the_next(prefect_api
         db = workspace / "lineage.duckdb"
         decided_when_read[src.name] = (LineageStore(db).query_readonly("SELECT count(*) FROM records")[1][0][0]
                                        if db.exists() else 0)
-        from tasks.sources import read_source
+        from tasks.discover.sources import read_source
         return read_source(src)
 
     monkeypatch.setattr(discover_module, "read_local_task", task(read_and_look, name="read-source"))
@@ -334,7 +334,7 @@ def test_decide_batches_reach_the_task_without_prefect_walking_every_record(pref
                                                                             monkeypatch):
     """Prefect walks a task's parameters for futures; over 20K nested records that was 43% of discover."""
     import prefect.task_engine
-    from tasks.sources import RawRecord
+    from tasks.discover.sources import RawRecord
 
     walked = []
     visit = prefect.task_engine.visit_collection

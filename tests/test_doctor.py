@@ -16,15 +16,15 @@ from transformers import LlamaConfig
 
 from serving.doctor import expected_aux_layer_ids_from_lineage, run_doctor
 from serving.launch import sglang_speculative_command, speculative_sweep
-from tasks.draft_model import DraftConfig, Eagle3Draft
-from tasks.export import (
+from tasks.model.draft import DraftConfig, Eagle3Draft
+from tasks.export.checkpoint import (
     PROJECT_KEY,
     export_sglang,
     export_speculators,
     load_sglang,
     load_speculators,
 )
-from tasks.vocab import build_draft_vocab
+from tasks.extract.vocab import build_draft_vocab
 
 from helpers import edit_export
 

@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from serving.doctor import run_doctor
 from serving.launch import engine_arguments
-from tasks.export_gguf import export_gguf, gguf_reader, read_gguf_draft, target_folder_for
-from tasks.target import smollm2_gguf_path
+from serving.llamacpp.export import export_gguf, gguf_reader, read_gguf_draft, target_folder_for
+from tasks.model.target import smollm2_gguf_path
 
 from helpers import TARGET_CACHE, random_smollm2_export, edit_export
 
@@ -64,7 +64,7 @@ def gguf(built, tmp_path) -> Path:
 
 
 def _open_rw(path: Path):
-    """The GGUF reader tasks.export_gguf uses, on a writable memory map."""
+    """The GGUF reader serving.llamacpp.export uses, on a writable memory map."""
     return gguf_reader(path, "r+")
 
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tasks.draft_model import (DraftConfig, Eagle3Draft, init_head_from_target, load_target_embeddings,
+from tasks.model.draft import (DraftConfig, Eagle3Draft, init_head_from_target, load_target_embeddings,
                                target_final_norm_weight, target_head_weight, ttt_attention, ttt_attention_mask)
-from tasks.ttt import Batch, collate, step_targets, step_valid_mask, teacher_targets, ttt_loss
-from tasks.extract import Extracted, ExtractSettings, HFExtractor, default_aux_layer_ids
+from tasks.train.ttt import Batch, collate, step_targets, step_valid_mask, teacher_targets, ttt_loss
+from tasks.extract.hf_backend import Extracted, ExtractSettings, HFExtractor, default_aux_layer_ids
 
 TARGET_CACHE = Path(tempfile.gettempdir()) / "eagle3-test-targets"  # shared with the other test modules
 V, H, N_DRAFT, LAYERS, AUX = 512, 64, 128, 6, (1, 2, 4)
@@ -69,7 +69,7 @@ def records(tiny) -> list[Extracted]:
 
 @pytest.fixture(scope="module")
 def smol():
-    from tasks.target import load_target
+    from tasks.model.target import load_target
 
     return load_target(cache_dir=TARGET_CACHE)
 
@@ -319,7 +319,7 @@ def test_topk_and_final_hidden_teachers_agree_when_k_is_the_draft_vocab(tiny):
 
 
 def test_collate_right_pads_dequantises_fp8_and_refuses_mixed_teachers(tiny, records):
-    from tasks.extract import aux_hidden_float
+    from tasks.extract.hf_backend import aux_hidden_float
 
     samples = _samples(2, 8, 15, seed=11)
     fp8 = HFExtractor(tiny, ExtractSettings(aux_layer_ids=list(AUX), storage="fp8")).extract(samples)
@@ -390,8 +390,8 @@ def test_bf16_autocast_on_cpu_matches_fp32(tiny, records):
 
 
 def test_smollm2_step0_accuracy_after_short_overfit_on_real_chat_hidden_states(smol):
-    from tasks.chat import Sample, render_and_mask
-    from tasks.vocab import build_draft_vocab, count_tokens
+    from tasks.extract.chat import Sample, render_and_mask
+    from tasks.extract.vocab import build_draft_vocab, count_tokens
 
     model, tokenizer = smol
     chats = [

@@ -1,6 +1,6 @@
 """The serving benchmark on a real engine: llama.cpp's llama-server, started and stopped by the test.
 
-The llama.cpp API of serving/online_bench.py (streaming /completion, token ids in and out, the draft
+The llama.cpp API of serving/bench/online.py (streaming /completion, token ids in and out, the draft
 counters of `timings`) against real servers on SmolLM2: the baseline and llama.cpp's n-gram drafting
 on prompts that ask the model to copy text (so n-gram lookup drafts and the counters appear); the
 declared-speculative and declared-baseline errors on real servers; the lossless check (greedy ids of
@@ -19,14 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from serving.bench_results import LevelResult, RequestMetrics
-from serving.embedded import LlamaCppServer
-from serving.engine_bench import (LlamaCppEngine, agreement, agreement_line, compare_outputs, engine_configs,
+from serving.bench.results import LevelResult, RequestMetrics
+from serving.llamacpp.server import LlamaCppServer
+from serving.bench.engines import (LlamaCppEngine, agreement, agreement_line, compare_outputs, engine_configs,
                                   plot_engine_benchmark, run_engine_benchmark, verdict_lines)
-from serving.online_bench import (BaselineSpeculates, BenchmarkError, ServerConfig, SpecMetricsMissing,
+from serving.bench.online import (BaselineSpeculates, BenchmarkError, ServerConfig, SpecMetricsMissing,
                                   llamacpp_completion, run_online_benchmark)
 from storage.lineage import LineageError, LineageStore
-from tasks.target import load_target, smollm2_gguf_path
+from tasks.model.target import load_target, smollm2_gguf_path
 
 from helpers import TARGET_CACHE, conversations, extract_config, import_generations
 
@@ -214,7 +214,7 @@ def test_configs_verdict_and_agreement_from_rows():
 @pytest.fixture(scope="module")
 def tiny_target_gguf(tiny_target, tmp_path_factory) -> Path:
     """The tiny random target converted to a float32 GGUF by the pinned llama.cpp converter."""
-    from tasks.export_gguf import llamacpp_converter
+    from serving.llamacpp.export import llamacpp_converter
 
     script, _ = llamacpp_converter()
     out = tmp_path_factory.mktemp("tiny-gguf") / "target.gguf"

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.draft_model import DraftConfig, Eagle3Draft, load_target_embeddings
-from tasks.evaluate import (HUMANEVAL, AcceptanceReport, BenchPrompt, Drafter, Eagle3Drafter, LossyDecoding,
+from tasks.model.draft import DraftConfig, Eagle3Draft, load_target_embeddings
+from tasks.evaluate.offline import (HUMANEVAL, AcceptanceReport, BenchPrompt, Drafter, Eagle3Drafter, LossyDecoding,
                             OracleDrafter, PromptLookupDrafter, RequestResult, TargetState, aggregate,
                             benchmark_sets, check_lossless, draft_chain_logits, evaluate_acceptance,
                             first_difference, load_draft_for_target, offline_acceptance, prompts_for_benchmark,
@@ -177,7 +177,7 @@ def test_token_weighted_and_request_mean_differ_and_are_labelled():
 def smol():
     """float32: the short run compares greedy outputs decoded in chunks of k+1 with one-token decoding,
     which in bf16 round differently per shape and per CPU, so near-ties could flip."""
-    from tasks.target import load_target
+    from tasks.model.target import load_target
 
     return load_target(cache_dir=TARGET_CACHE, dtype=torch.float32)
 
@@ -208,7 +208,7 @@ def test_benchmark_prompts_are_chat_templated(smol, tmp_path):
 
 
 def test_exported_draft_loads_for_its_target_and_proposes_the_same(tiny, tmp_path):
-    from tasks.export import export_sglang
+    from tasks.export.checkpoint import export_sglang
 
     draft = _draft(tiny)
     folder = export_sglang(draft, tmp_path / "draft", dtype=torch.float32)
@@ -221,7 +221,7 @@ def test_exported_draft_loads_for_its_target_and_proposes_the_same(tiny, tmp_pat
 
 
 def test_short_run_on_smollm2(smol):
-    from tasks.target import stop_token_ids
+    from tasks.model.target import stop_token_ids
 
     model, tok = smol
     draft = _draft(model, n_draft=2048, aux=(1, 14, 26))
@@ -253,8 +253,8 @@ def test_a_difference_from_the_greedy_output_is_an_error_naming_drafter_prompt_a
 def _chat_prompts(n: int) -> list[str]:
     """The first user turns of ShareGPT records (the embedded default's chat data)."""
     from tasks.config import SourceConfig
-    from tasks.prompts import Prompt, normalise_record
-    from tasks.sources import read_source
+    from tasks.discover.prompts import Prompt, normalise_record
+    from tasks.discover.sources import read_source
 
     records, _ = read_source(SourceConfig(name="sharegpt", kind="sharegpt_package", limit=400))
     out = []
@@ -269,7 +269,7 @@ def _chat_prompts(n: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def smol_bf16():
-    from tasks.target import load_target
+    from tasks.model.target import load_target
 
     return load_target(cache_dir=TARGET_CACHE)  # the default dtype, bf16: its rounding depends on the CPU
 
@@ -280,7 +280,7 @@ def test_every_drafter_is_lossless_on_smollm2_chat_and_code(smol_bf16):
     the final state, and prompt lookup, at k = 3 and 4, on the bf16 target: every output is the
     target's plain greedy decoding (target_greedy, run separately) token for token. bf16 is where
     verifying k+1 tokens in one forward used to flip near-ties; this holds on any CPU."""
-    from tasks.target import stop_token_ids
+    from tasks.model.target import stop_token_ids
 
     model, tok = smol_bf16
     assert model.dtype == torch.bfloat16

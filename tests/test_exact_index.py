@@ -10,7 +10,7 @@ import pyarrow as pa
 from storage.exact_index import ExactIndexStore, _arrow_id_keys, id_keys
 from storage.lineage import LineageStore
 from tasks.config import NearDedupeConfig
-from tasks.outcomes import decide_and_write, decide_outcomes
+from tasks.discover.outcomes import decide_and_write, decide_outcomes
 from tests.test_dedupe import FORMATS, _planted_records, _records, _reported_case
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tasks.draft_model import DraftConfig, Eagle3Draft, load_target_embeddings
-from tasks.export import (CheckpointError, check_sglang, export_sglang, export_speculators, load_draft, load_sglang,
+from tasks.model.draft import DraftConfig, Eagle3Draft, load_target_embeddings
+from tasks.export.checkpoint import (CheckpointError, check_sglang, export_sglang, export_speculators, load_draft, load_sglang,
                           load_speculators, sglang_capture_layers, sglang_layer_ids, sglang_load_report,
                           vllm_capture_layers, vllm_layer_ids)
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tasks.export_gguf import (GGUF_ARCHITECTURE, REQUIRED_TENSORS, GGUFExportError, export_gguf, gguf_draft_problems,
+from serving.llamacpp.export import (GGUF_ARCHITECTURE, REQUIRED_TENSORS, GGUFExportError, export_gguf, gguf_draft_problems,
                                llamacpp_capture_layers, llamacpp_layer_ids, read_gguf_draft, target_folder_for)
 
 from helpers import TARGET_CACHE, random_smollm2_export
@@ -139,7 +139,7 @@ def test_a_corrupted_draft_config_is_refused_before_converting(default_ids, tmp_
     config = json.loads((copy / "config.json").read_text())
     del config["eagle_config"]
     (copy / "config.json").write_text(json.dumps(config))
-    from tasks.export import CheckpointError
+    from tasks.export.checkpoint import CheckpointError
 
     with pytest.raises(CheckpointError, match="eagle_config"):
         export_gguf(copy, tmp_path, tmp_path / "draft.gguf")
@@ -152,8 +152,8 @@ def _free_port() -> int:
 
 
 def test_llama_server_drafts_with_the_gguf(default_ids, tmp_path):
-    from serving.llama_build import build_tool
-    from tasks.target import smollm2_gguf_path
+    from serving.llamacpp.build import build_tool
+    from tasks.model.target import smollm2_gguf_path
 
     _, gguf, _ = default_ids
     port = _free_port()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.extract import (Extracted, ExtractSettings, HFExtractor, Quarantined, default_aux_layer_ids,
+from tasks.extract.hf_backend import (Extracted, ExtractSettings, HFExtractor, Quarantined, default_aux_layer_ids,
                            dequantize_fp8, quantize_fp8, validate_aux_layer_ids)
 
 TARGET_CACHE = Path(tempfile.gettempdir()) / "eagle3-test-targets"  # shared with tests/test_launch.py
@@ -31,7 +31,7 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def smol():
-    from tasks.target import load_target
+    from tasks.model.target import load_target
 
     model, _ = load_target(cache_dir=TARGET_CACHE)
     return model

@@ -22,8 +22,8 @@ import yaml
 from flows.extract import extract
 from storage.lineage import LineageError, LineageStore
 from storage.shards import CorruptShard, ShardStore
-from tasks.extract import HFExtractor, aux_hidden_float
-from tasks.rounds import delete_consumed_shards, read_shard
+from tasks.extract.hf_backend import HFExtractor, aux_hidden_float
+from tasks.extract.plan import delete_consumed_shards, read_shard
 
 from helpers import conversations, extract_config, import_generations
 
@@ -299,7 +299,7 @@ def test_the_real_smollm2_target_with_fp8_and_topk(prefect_api, tmp_path, worksp
     s = extract(extract_config(workspace, None, storage="fp8", teacher="topk", topk=8, draft_vocab_size=256))
     assert s.extracted == 4 and s.aux_layer_ids == [1, 14, 26]
     # The default `target.dtype: auto`: bf16 where this CPU computes it, float32 where it would be emulated.
-    from tasks.target import resolve_target_dtype
+    from tasks.model.target import resolve_target_dtype
 
     assert s.target_dtype == resolve_target_dtype("auto", "cpu")
     store = LineageStore(workspace / "lineage.duckdb")
@@ -308,7 +308,7 @@ def test_the_real_smollm2_target_with_fp8_and_topk(prefect_api, tmp_path, worksp
     rec = records[0]
     assert rec.aux_hidden.dtype == torch.float8_e4m3fn and rec.aux_hidden.shape[1] == 3 * 576
     assert rec.topk_ids.shape[1] == 8 and rec.final_hidden is None
-    from tasks.vocab import load_vocab
+    from tasks.extract.vocab import load_vocab
 
     (vfile,) = store.query_readonly("SELECT file FROM draft_vocabs")[1][0]
     vocab = load_vocab(workspace / vfile)

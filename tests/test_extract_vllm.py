@@ -1,6 +1,6 @@
 """The vllm extraction backend against the hf one, on the embedded target and real ShareGPT chats.
 
-vLLM runs from its own environment (`make vllm`, .venv-vllm; see serving/vllm_server.py for why).
+vLLM runs from its own environment (`make vllm`, .venv-vllm; see serving/vllm/extract_server.py for why).
 Parity is checked in float32, where both engines must agree to float32 noise, so the stored bf16
 states agree to one bf16 rounding step; a layer mapping shifted by one is far outside that.
 """
@@ -11,10 +11,10 @@ import torch
 import pytest
 
 from helpers import sharegpt_chats
-from serving.vllm_server import VllmHiddenStatesServer, VllmLaunch, vllm_layer_ids
-from tasks.extract import ExtractSettings, Extracted, HFExtractor, default_aux_layer_ids
-from tasks.extract_vllm import VllmExtractor, load_final_norm_and_head, rms_norm
-from tasks.target import load_configured_target, load_configured_target_files
+from serving.vllm.extract_server import VllmHiddenStatesServer, VllmLaunch, vllm_layer_ids
+from tasks.extract.hf_backend import ExtractSettings, Extracted, HFExtractor, default_aux_layer_ids
+from tasks.extract.vllm_backend import VllmExtractor, load_final_norm_and_head, rms_norm
+from tasks.model.target import load_configured_target, load_configured_target_files
 
 N_SAMPLES = 6
 # Stored states are bf16 (8 significant bits): two float32 engines whose sums differ in the last
@@ -148,8 +148,8 @@ def test_extract_flow_on_the_vllm_backend(prefect_api, tmp_path, workspace, smol
     from flows.extract import extract
     from storage.lineage import LineageStore
     from storage.shards import ShardStore
-    from tasks.extract import aux_hidden_float
-    from tasks.rounds import read_shard
+    from tasks.extract.hf_backend import aux_hidden_float
+    from tasks.extract.plan import read_shard
 
     from helpers import conversations, extract_config, import_generations
     from test_extract_flow import assert_exactly_once

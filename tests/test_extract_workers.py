@@ -21,13 +21,13 @@ from flows.extract import extract
 from storage.datasets import file_sha256
 from storage.lineage import LineageStore
 from storage.shards import ShardStore
-from tasks import shard_job
+from tasks.extract import shard_job
 from tasks.config import TargetConfig
-from tasks.extract import RECORD_KEYS, ExtractSettings
-from tasks.rounds import delete_consumed_shards, read_shard
-from tasks.shard_job import ShardJob, WorkerSpec, run_shard_job_on_worker
-from tasks.target import load_configured_target
-from tasks.vocab import build_draft_vocab, save_vocab
+from tasks.extract.hf_backend import RECORD_KEYS, ExtractSettings
+from tasks.extract.plan import delete_consumed_shards, read_shard
+from tasks.extract.shard_job import ShardJob, WorkerSpec, run_shard_job_on_worker
+from tasks.model.target import load_configured_target
+from tasks.extract.vocab import build_draft_vocab, save_vocab
 
 from helpers import conversations, extract_config, import_generations
 from test_extract_flow import assert_exactly_once, sample_rows

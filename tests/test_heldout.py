@@ -14,7 +14,7 @@ from flows.discover import discover
 from flows.regenerate import regenerate
 from storage.lineage import LineageStore
 from tasks.config import DiscoverConfig, RegenerateConfig
-from tasks.heldout import HELDOUT_DOMAIN, chat_opening, choose_heldout, heldout_set, split_key
+from tasks.evaluate.heldout import HELDOUT_DOMAIN, chat_opening, choose_heldout, heldout_set, split_key
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = [f"w{i}" for i in range(5000)]
@@ -58,7 +58,7 @@ def outcome_rows(ws: Path) -> dict[tuple[str, str], tuple[str, str, str | None]]
 def test_split_key_is_a_pure_function_of_the_prompt_id_across_processes():
     ids = [f"{i:064x}" for i in range(50)]
     here = [split_key(p) for p in ids]
-    code = "import sys, json; from tasks.heldout import split_key; print(json.dumps([split_key(p) for p in sys.argv[1:]]))"
+    code = "import sys, json; from tasks.evaluate.heldout import split_key; print(json.dumps([split_key(p) for p in sys.argv[1:]]))"
     other = subprocess.run([sys.executable, "-c", code, *ids], cwd=ROOT, capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": "123", "PATH": "/usr/bin:/bin"})
     assert json.loads(other.stdout) == here

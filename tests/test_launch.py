@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from serving.client import Endpoint, ServerPool
-from serving.embedded import LlamaCppServer, ServerStartError, port_free
+from serving.llamacpp.server import LlamaCppServer, ServerStartError, port_free
 from serving.launch import (BaselineSpec, kimi_k25_baseline, sglang_baseline_command, validate_baseline_command,
                             vllm_baseline_command)
-from tasks.target import greedy_generate, load_target, smollm2_gguf_path
+from tasks.model.target import greedy_generate, load_target, smollm2_gguf_path
 
 GGUF = smollm2_gguf_path()
 # One conversion per machine, shared across runs (the first takes ~20 s; later loads < 1 s).
@@ -84,7 +84,7 @@ def test_ctrl_c_stops_the_server_and_propagates(tmp_path):
 
 
 def test_a_killed_parent_takes_its_server_along(tmp_path):
-    code = ("import sys, time\nfrom serving.embedded import LlamaCppServer\n"
+    code = ("import sys, time\nfrom serving.llamacpp.server import LlamaCppServer\n"
             f"s = LlamaCppServer({str(GGUF)!r}, log_path={str(tmp_path / 's.log')!r})\n"
             "s.start()\nprint(s.pid, flush=True)\ntime.sleep(600)\n")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,

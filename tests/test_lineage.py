@@ -183,9 +183,9 @@ def test_regenerate_eta_is_paced_in_requests_not_prompts(tmp_path):
     42% long at 90% done. Here 10 four-turn prompts took the run 40 s (40 requests, 1 per second);
     30 one-turn prompts remain: 30 requests, about 30 s, not the 120 s that 10 prompts per 40 s says."""
     from tasks.config import NearDedupeConfig, RegenerateConfig
-    from tasks.outcomes import decide_outcomes
-    from tasks.regenerate import GenerationSpec, generation_row, lineage_row
-    from tasks.sources import RawRecord
+    from tasks.discover.outcomes import decide_outcomes
+    from tasks.regenerate.answers import GenerationSpec, generation_row, lineage_row
+    from tasks.discover.sources import RawRecord
 
     store = LineageStore(tmp_path / "lineage.duckdb")
 

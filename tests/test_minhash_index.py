@@ -14,9 +14,9 @@ from storage.lineage import LineageStore
 from storage.minhash_index import MinhashIndex, NearIndexStore, params_folder
 from storage.schema import MIGRATIONS
 from tasks.config import NearDedupeConfig
-from tasks.dedupe import band_keys, lsh_params, signatures
-from tasks.outcomes import backfill_signatures, decide_outcomes, minhash_params_key
-from tasks.sources import RawRecord
+from tasks.discover.dedupe import band_keys, lsh_params, signatures
+from tasks.discover.outcomes import backfill_signatures, decide_outcomes, minhash_params_key
+from tasks.discover.sources import RawRecord
 
 FORMATS = {"s": ("prompt_response", "prompt", "response")}
 NEAR = NearDedupeConfig()

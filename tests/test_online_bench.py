@@ -1,4 +1,4 @@
-"""serving.online_bench against real processes on loopback.
+"""serving.bench.online against real processes on loopback.
 
 The baseline path runs against the real llama.cpp server on SmolLM2 (OpenAI streaming API, one
 request at a time, as that server serves). The speculative path runs against the scripted server in
@@ -15,12 +15,12 @@ import subprocess
 import httpx
 import pytest
 
-from serving.embedded import LlamaCppServer
-from serving.online_bench import (AcceptanceTooLow, BaselineSpeculates, OnlineBenchResult, ServerConfig,
+from serving.llamacpp.server import LlamaCppServer
+from serving.bench.online import (AcceptanceTooLow, BaselineSpeculates, OnlineBenchResult, ServerConfig,
                                   SpecMetricsMissing, break_even, plot_throughput, probe_acceptance,
                                   run_online_benchmark)
 from serving.scripted_server import spawn
-from tasks.target import smollm2_gguf_path
+from tasks.model.target import smollm2_gguf_path
 
 MAX_NEW = 20  # divisible by the scripted acceptance lengths below: exact expected values
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serving.embedded import free_port, port_free
+from serving.llamacpp.server import free_port, port_free
 from storage.lineage import LineageStore
 from storage.schema import EXAMPLE_QUERIES
 

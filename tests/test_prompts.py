@@ -8,7 +8,7 @@ import unicodedata
 
 import pytest
 
-from tasks.prompts import Prompt, Quarantine, canonical_text, normalise_record, prompt_id_of
+from tasks.discover.prompts import Prompt, Quarantine, canonical_text, normalise_record, prompt_id_of
 
 
 def sg(*turns):

@@ -18,11 +18,11 @@ import yaml
 
 from flows.discover import discover
 from flows.regenerate import regenerate
-from serving.embedded import free_port
+from serving.llamacpp.server import free_port
 from serving.scripted_server import answer_for
 from storage.lineage import LineageStore
 from tasks.config import DiscoverConfig, RegenerateConfig
-from tasks.regenerate import flags_for, generation_id
+from tasks.regenerate.answers import flags_for, generation_id
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -149,7 +149,7 @@ def test_flags_for():
 
 
 def test_reasoning_disable_is_sent_to_the_server(prefect_api, tmp_path, workspace):
-    from tasks.regenerate import request_params
+    from tasks.regenerate.answers import request_params
 
     cfg = regen_config(workspace, ["http://127.0.0.1:1"], reasoning="disable")
     assert request_params(cfg)["chat_template_kwargs"] == {"enable_thinking": False}
@@ -157,7 +157,7 @@ def test_reasoning_disable_is_sent_to_the_server(prefect_api, tmp_path, workspac
 
 
 def test_imports_skip_the_server_and_pass_discover_checks(prefect_api, scripted, tmp_path, workspace):
-    from tasks.decontaminate import humaneval_items
+    from tasks.discover.decontaminate import humaneval_items
 
     imported = [
         {"messages": [{"role": "user", "content": "imported question"}, {"role": "assistant", "content": "target answer"}],
@@ -294,8 +294,8 @@ def test_baseline_launch_command_is_printed_and_validated(tmp_path):
 def test_regenerate_with_the_embedded_llama_cpp_server(prefect_api, tmp_path, workspace):
     """The demo's path: the real llama-server on SmolLM2 (two slots), started and stopped by the flow;
     token-exact, so the extract stage's id check sees `match`, and the server's build is in lineage."""
-    from tasks.chat import tokenise_generation
-    from tasks.target import gguf_revision, load_target, smollm2_gguf_path
+    from tasks.extract.chat import tokenise_generation
+    from tasks.model.target import gguf_revision, load_target, smollm2_gguf_path
 
     rows = [{"id": "a", "conversations": [{"from": "human", "value": "Name a colour."}]},
             {"id": "b", "conversations": [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "x"},

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from storage.shards import ShardStore
-from tasks.extract import ExtractSettings, HFExtractor
-from tasks.rounds import extract_key, pack_results, plan_shard, predicted_shard_bytes, sample_id, tokenize_key
+from tasks.extract.hf_backend import ExtractSettings, HFExtractor
+from tasks.extract.plan import extract_key, pack_results, plan_shard, predicted_shard_bytes, sample_id, tokenize_key
 
 
 def _tiny():

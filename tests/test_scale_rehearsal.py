@@ -24,8 +24,8 @@ import rehearsal_sources as rehearsal  # noqa: E402
 from serving.client import Endpoint, RetryPolicy, ServerPool  # noqa: E402
 from serving.scripted_server import drawn_length, long_answer, spawn  # noqa: E402
 from tasks.config import SourceConfig  # noqa: E402
-from tasks.prompts import Quarantine, normalise_record  # noqa: E402
-from tasks.sources import read_source  # noqa: E402
+from tasks.discover.prompts import Quarantine, normalise_record  # noqa: E402
+from tasks.discover.sources import read_source  # noqa: E402
 
 
 def test_rehearsal_sources_read_back_with_the_cut_and_the_bad_rows_reported(tmp_path):

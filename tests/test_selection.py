@@ -13,9 +13,9 @@ from flows.discover import discover
 from flows.regenerate import regenerate
 from storage.lineage import LineageStore
 from tasks.config import DiscoverConfig, ProbeConfig, RegenerateConfig
-from tasks.domains import CLUSTERS, TAGGER, tag_prompt, tag_untagged
-from tasks.probe import probe_sets
-from tasks.selection import ProbeRow, cluster_weights, quotas, select_prompts
+from tasks.discover.domains import CLUSTERS, TAGGER, tag_prompt, tag_untagged
+from tasks.evaluate.probe import probe_sets
+from tasks.regenerate.selection import ProbeRow, cluster_weights, quotas, select_prompts
 
 CODE = ["Why does my python function `def f(x): return x+1` raise a TypeError when I call f('a')?",
         "Write a SQL query: SELECT name FROM users WHERE age > 30; how do I add an index?",

@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks.scaling_results import append_result, ratio_interval
 from benchmarks.selection_study import ARMS, arm_config, merge_points, plot, ratio_cell, report, tokens_to_reach
-from serving.embedded import free_port
+from serving.llamacpp.server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -26,8 +26,8 @@ import pytest
 
 from flows.regenerate import regenerate
 from serving.client import EndpointsDown
-from serving.embedded import LlamaCppServer, ServerDied, describe_exit, free_port
-from serving.install_check import CheckReport, check_portable, non_portable_instructions
+from serving.llamacpp.server import LlamaCppServer, ServerDied, describe_exit, free_port
+from serving.llamacpp.install_check import CheckReport, check_portable, non_portable_instructions
 from serving.scripted_server import spawn
 from storage.lineage import LineageStore
 from tasks.config import RegenerateConfig
@@ -127,7 +127,7 @@ def test_a_server_that_dies_mid_run_stops_the_stage_in_seconds_and_a_rerun_finis
 
 @pytest.mark.timeout(120)
 def test_guard_cancels_the_work_when_the_server_exits(tmp_path):
-    from tasks.target import smollm2_gguf_path
+    from tasks.model.target import smollm2_gguf_path
 
     requests_sent = 0
 

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tasks.config import SourceConfig
-from tasks.sources import (
+from tasks.discover.sources import (
     SourceError,
     read_file,
     read_json_text,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks import target as T
+from tasks.model import target as T
 
 GGUF = T.smollm2_gguf_path()
 CHAT = [{"role": "user", "content": "Name the largest ocean on Earth."}]

@@ -22,8 +22,8 @@ from flows.train import train
 from storage.datasets import file_sha256
 from storage.lineage import LineageStore
 from tasks.config import TrainConfig
-from tasks.export import check_sglang, check_speculators
-from tasks.train import MODEL_FILE, list_checkpoints
+from tasks.export.checkpoint import check_sglang, check_speculators
+from tasks.train.steps import MODEL_FILE, list_checkpoints
 
 from helpers import conversations, extract_config, import_generations
 
@@ -65,7 +65,7 @@ def test_a_round_learns_is_consumed_deleted_exported_and_traceable(extracted, tm
         "SELECT format, count(DISTINCT sample_id), count(DISTINCT record_key) FROM checkpoint_lineage GROUP BY 1 ORDER BY 1")
     assert lineage == [("gguf", 24, 24), ("sglang", 24, 24), ("speculators", 24, 24)]
     # the llama.cpp GGUF: converted from the sglang export, layers named as llama.cpp captures them
-    from tasks.export_gguf import read_gguf_draft
+    from serving.llamacpp.export import read_gguf_draft
 
     gguf = Path(s.exports["gguf"]) / "draft.gguf"
     assert read_gguf_draft(gguf).target_layers == [2, 4, 5]  # inputs of layers 2, 4, 5 = outputs of 1, 3, 4
@@ -188,7 +188,7 @@ def test_two_gloo_processes_match_one_process_accumulating(extracted, tmp_path, 
 
 
 def _free_port() -> int:
-    from serving.embedded import free_port
+    from serving.llamacpp.server import free_port
 
     return free_port()
 
@@ -245,7 +245,7 @@ def test_online_mode_trains_without_writing_shards(prefect_api, tmp_path, worksp
 def test_online_micro_batches_whose_samples_are_all_quarantined_are_skipped_and_counted(
         prefect_api, tmp_path, workspace, tiny_target, monkeypatch):
     import flows.train as ft
-    from tasks.extract import Quarantined
+    from tasks.extract.hf_backend import Quarantined
 
     import_generations(workspace, tmp_path, conversations(10, seed=13))
     s = extract(extract_config(workspace, tiny_target, draft_vocab_size=256, disk_budget_bytes=1))
@@ -334,7 +334,7 @@ def test_benchmark_checks_the_contract_first_then_reports_acceptance_with_baseli
         assert kinds == [("offline", 2), ("online", 4)]
         # a launch that does not speculate (acceptance ~1.0: the EAGLE flag) stops the benchmark with the causes
         low = {**online, "speculative": [{"label": "wrong-flag", "url": low_url, "num_draft_tokens": 4}]}
-        from serving.online_bench import AcceptanceTooLow
+        from serving.bench.online import AcceptanceTooLow
 
         with pytest.raises(AcceptanceTooLow, match="EAGLE3"):
             benchmark(cfg.model_copy(update={"online": BenchConfig.model_validate({"online": low}).online}))

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks.draft_model import DraftConfig, Eagle3Draft
-from tasks.ttt import Batch, collate, teacher_targets, ttt_loss
-from tasks.extract import Extracted
+from tasks.model.draft import DraftConfig, Eagle3Draft
+from tasks.train.ttt import Batch, collate, teacher_targets, ttt_loss
+from tasks.extract.hf_backend import Extracted
 
 V = H = 64  # hidden size = vocab, so a step's hidden state can spell out its answer
 STEPS, T = 4, 200

@@ -21,11 +21,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import tasks.draft_model as dm
-from tasks.draft_model import (DraftConfig, Eagle3Draft, _shift_left, load_target_embeddings, target_head_weight,
+import tasks.model.draft as dm
+from tasks.model.draft import (DraftConfig, Eagle3Draft, _shift_left, load_target_embeddings, target_head_weight,
                                ttt_attention, ttt_attention_mask)
-from tasks.ttt import Batch, collate, teacher_targets, trained_teacher_positions, ttt_loss
-from tasks.train import make_optimizer, train_step
+from tasks.train.ttt import Batch, collate, teacher_targets, trained_teacher_positions, ttt_loss
+from tasks.train.steps import make_optimizer, train_step
 
 TARGET_CACHE = Path(tempfile.gettempdir()) / "eagle3-test-targets"  # shared with the other test modules
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -143,10 +143,10 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def smol_setup():
-    from tasks.chat import render_and_mask
-    from tasks.extract import ExtractSettings, HFExtractor, default_aux_layer_ids
-    from tasks.target import load_target
-    from tasks.vocab import build_draft_vocab, count_tokens
+    from tasks.extract.chat import render_and_mask
+    from tasks.extract.hf_backend import ExtractSettings, HFExtractor, default_aux_layer_ids
+    from tasks.model.target import load_target
+    from tasks.extract.vocab import build_draft_vocab, count_tokens
 
     model, tokenizer = load_target(cache_dir=TARGET_CACHE)
     samples = [render_and_mask(tokenizer, c, 256) for c in CHATS]
@@ -290,11 +290,11 @@ def test_weights_after_training_steps_equal_the_reference(smol_setup, monkeypatc
     """Five optimizer steps of train_step, two micro-batches each (a padded one that runs sample by
     sample, and one whose teacher is kept from the counting pass), against the reference
     train_step: the same weights."""
-    from tasks.train import unpadded_pieces
+    from tasks.train.steps import unpadded_pieces
 
     records, _, _, head, _ = smol_setup
     micro = [collate(records[:2]), collate(records[2:])]
-    monkeypatch.setattr("tasks.train.SPLIT_PADDING", 0.0)  # any padding: sample by sample
+    monkeypatch.setattr("tasks.train.steps.SPLIT_PADDING", 0.0)  # any padding: sample by sample
     assert len(unpadded_pieces(micro[0], micro[0].attention_mask)) == 2
     new, ref = _draft(smol_setup, 5), _draft(smol_setup, 5)
     opt_new, opt_ref = make_optimizer(new, 3e-3, 0.0), make_optimizer(ref, 3e-3, 0.0)

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from serving.bench_results import BaselineSpeculates, BenchmarkError, LevelResult, RequestMetrics, SpecMetricsMissing
-from serving.doctor.vllm_live import loaded_checks
-from serving.engine_bench import verdict_lines, vllm_engine_configs
-from serving.online_bench import ServerConfig, vllm_completion
-from serving.vllm_server import VllmEngineArgs
-from serving.vllm_spec import LoadedDraft, VllmSpecServer, VllmSpeculation, read_loaded_draft
+from serving.bench.results import BaselineSpeculates, BenchmarkError, LevelResult, RequestMetrics, SpecMetricsMissing
+from serving.vllm.doctor_live import loaded_checks
+from serving.bench.engines import verdict_lines, vllm_engine_configs
+from serving.bench.online import ServerConfig, vllm_completion
+from serving.vllm.extract_server import VllmEngineArgs
+from serving.vllm.server import LoadedDraft, VllmSpecServer, VllmSpeculation, read_loaded_draft
 from storage.lineage import LineageStore
 
 from helpers import conversations, extract_config, import_generations, make_tiny_target

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from tasks.vocab import (
+from tasks.extract.vocab import (
     TokenCounter,
     build_draft_vocab,
     count_tokens,

@@ -22,7 +22,7 @@ from serving.doctor.core import (
     as_int,
     canonical_key,
 )
-from tasks.export import CONFIG_FILE, PROJECT_KEY, sglang_load_report
+from tasks.export.checkpoint import CONFIG_FILE, PROJECT_KEY, sglang_load_report
 
 
 def folder_checks(ctx: Context) -> list[Check]:
@@ -39,7 +39,7 @@ def ids_fix_hint(ctx: Context) -> tuple[bool, str]:
     """(fixable, fix sentence) for a check whose repair is writing the aux layer ids."""
     fixable = ctx.contract.ids_to_write(ctx) is not None
     return fixable, (" Fix: `eagle3 doctor --fix` writes them from the trained layers." if fixable else
-                     " Re-export with tasks.export, or give the trained layers (lineage / expected_aux_layer_ids) "
+                     " Re-export with tasks.export.checkpoint, or give the trained layers (lineage / expected_aux_layer_ids) "
                      "and use --fix.")
 
 
@@ -51,7 +51,7 @@ def check_config_fields(ctx: Context) -> Check:
         problems.append(f"num_hidden_layers is {ctx.layer.get('num_hidden_layers')}; an EAGLE-3 draft has one "
                         "decoder layer (the engine would build and randomly fill the others)")
     if problems:
-        return Check("config_fields", False, "; ".join(problems) + ". Re-export the draft (tasks.export).")
+        return Check("config_fields", False, "; ".join(problems) + ". Re-export the draft (tasks.export.checkpoint).")
     return Check("config_fields", True, "the draft layer's Llama fields are present")
 
 
@@ -84,7 +84,7 @@ def check_weight_keys(ctx: Context) -> Check:
         return Check("weight_keys", True, "every key is a tensor the engine loads by that name")
     fixable = not unknown and not duplicates
     fix = (" Fix: `eagle3 doctor --fix` renames them (layers.0.* -> midlayer.*, prefixes stripped)." if fixable else
-           " Remove the unknown or duplicate tensors and re-export with tasks.export.")
+           " Remove the unknown or duplicate tensors and re-export with tasks.export.checkpoint.")
     return Check("weight_keys", False, "; ".join(problems) + "." + fix, fixable=fixable)
 
 
@@ -108,7 +108,7 @@ def check_required(ctx: Context) -> Check:
         lines.append(f"{len(mid)} decoder-layer tensors are missing (e.g. {mid[0]}): the engine would serve them "
                      "randomly initialised")
     return Check("required_tensors", False, "; ".join(lines) + ". Not repairable: re-export the trained draft "
-                                                               "(tasks.export) from its training checkpoint.")
+                                                               "(tasks.export.checkpoint) from its training checkpoint.")
 
 
 def layer_complete(ctx: Context) -> bool:
@@ -184,7 +184,7 @@ def check_lm_head(ctx: Context) -> Check | None:
     head = ctx.folder.shape("lm_head.weight")
     if ctx.n_draft is None:
         return Check("lm_head_rows", False, "config has no draft_vocab_size: SGLang sizes lm_head to the full target "
-                                            "vocab, not this draft's. Re-export the draft (tasks.export writes it).")
+                                            "vocab, not this draft's. Re-export the draft (tasks.export.checkpoint writes it).")
     if head is None:
         return None  # required_tensors names the missing head
     problems = []
@@ -218,7 +218,7 @@ def check_target_vocab(ctx: Context) -> Check | None:
 
 def offsets_from_absolute(d2t: np.ndarray, t2d: np.ndarray | None, vocab: int, n: int) -> np.ndarray | None:
     """`d2t` as offsets when it holds strictly increasing absolute target ids (and then passes validate_vocab)."""
-    from tasks.vocab import validate_vocab
+    from tasks.extract.vocab import validate_vocab
 
     if d2t.ndim != 1 or d2t.dtype.kind not in "iu" or len(d2t) != n:
         return None
@@ -230,7 +230,7 @@ def offsets_from_absolute(d2t: np.ndarray, t2d: np.ndarray | None, vocab: int, n
 
 
 def check_vocab_mapping(ctx: Context) -> Check | None:
-    from tasks.vocab import validate_vocab
+    from tasks.extract.vocab import validate_vocab
 
     d2t_t, t2d_t = ctx.folder.tensor("d2t"), ctx.folder.tensor("t2d")
     if d2t_t is None and t2d_t is None:
@@ -245,7 +245,7 @@ def check_vocab_mapping(ctx: Context) -> Check | None:
         return Check("vocab_mapping", True, "d2t holds offsets to strictly increasing target ids that t2d marks")
     fixable = d2t is not None and offsets_from_absolute(d2t, t2d, ctx.target.vocab_size, n) is not None
     fix = (" Fix: `eagle3 doctor --fix` rewrites d2t as offsets (d2t[i] = target_id(i) - i)." if fixable else
-           " Not repairable mechanically: rebuild the vocab (tasks.vocab.build_draft_vocab) and re-export.")
+           " Not repairable mechanically: rebuild the vocab (tasks.extract.vocab.build_draft_vocab) and re-export.")
     return Check("vocab_mapping", False, "; ".join(lines) + f"; {ctx.contract.d2t_use}." + fix, fixable=fixable)
 
 

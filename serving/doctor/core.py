@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from tasks.export import CONFIG_FILE, PROJECT_KEY, SGLANG_VERSIONS, WEIGHTS_FILE, SGLangVersion
+from tasks.export.checkpoint import CONFIG_FILE, PROJECT_KEY, SGLANG_VERSIONS, WEIGHTS_FILE, SGLangVersion
 
 Engine = Literal["sglang", "vllm", "llamacpp"]
 
@@ -190,7 +190,7 @@ def read_folder(folder: Path) -> tuple[Folder | None, str | None]:
         return None, f"{folder} is not a folder; give the exported draft folder (config.json + {WEIGHTS_FILE})"
     cfg = folder / CONFIG_FILE
     if not cfg.is_file():
-        return None, f"no {CONFIG_FILE} in {folder}; export the draft with tasks.export (export_sglang / export_speculators)"
+        return None, f"no {CONFIG_FILE} in {folder}; export the draft with tasks.export.checkpoint (export_sglang / export_speculators)"
     try:
         config = json.loads(cfg.read_text())
     except json.JSONDecodeError as e:

@@ -16,7 +16,7 @@ from typing import Any
 
 from serving.doctor.checks import offsets_from_absolute
 from serving.doctor.core import PICKLE_SUFFIXES, Context, DoctorReport, canonical_key
-from tasks.export import CONFIG_FILE, PROJECT_KEY, WEIGHTS_FILE
+from tasks.export.checkpoint import CONFIG_FILE, PROJECT_KEY, WEIGHTS_FILE
 
 
 def fix(report: DoctorReport, ctx: Context, fix_dir: str | Path | None,

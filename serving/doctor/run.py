@@ -13,7 +13,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from serving.doctor import llamacpp, sglang, vllm
+from serving.llamacpp import doctor as llamacpp
+from serving.sglang import doctor as sglang
+from serving.vllm import doctor as vllm
 from serving.doctor.checks import check_aux_layers, folder_checks
 from serving.doctor.core import (
     Check,
@@ -27,7 +29,7 @@ from serving.doctor.core import (
 )
 from serving.doctor.fix import fix as fix_copy
 from serving.launch import engine_arguments
-from tasks.export import CONFIG_FILE, SGLANG_VERSIONS, WEIGHTS_FILE, SGLangVersion
+from tasks.export.checkpoint import CONFIG_FILE, SGLANG_VERSIONS, WEIGHTS_FILE, SGLangVersion
 
 # A new engine: its module's CONTRACT here, and its name in core.Engine.
 CONTRACTS: dict[Engine, EngineContract] = {c.name: c for c in (sglang.CONTRACT, vllm.CONTRACT, llamacpp.CONTRACT)}

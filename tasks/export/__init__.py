@@ -1,0 +1,1 @@
+"""Export: a trained draft written in the formats servers load, and read back."""

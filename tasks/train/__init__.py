@@ -1,0 +1,1 @@
+"""Train: the EAGLE-3 draft trained with training-time test on extracted shards, resumable from checkpoints."""
