@@ -1,4 +1,5 @@
 # Two commands do everything on a fresh machine: `make demo` and `make test`.
+# `make test-fast` is the edit-test loop: the tests that start no server and load no model (minutes, not an hour).
 # Installs are idempotent: the venv is rebuilt only when pyproject.toml changes.
 PYTHON ?= python3
 VENV   := .venv
@@ -6,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 WORKSPACE ?= runs/demo
 
-.PHONY: install browser vllm demo serve test bench clean
+.PHONY: install browser vllm demo serve test test-fast bench clean
 
 install: $(STAMP)
 
@@ -74,19 +75,24 @@ demo: install vllm
 serve: install
 	$(VENV)/bin/eagle3 serve --config configs/demo.yaml --workspace $(WORKSPACE)
 
+# The whole suite (what CI runs): servers, models and vLLM included.
 test: install browser vllm
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m pytest -q
 
+# The fast lane: every test not marked `slow` (pyproject.toml says what `slow` means); under 5 minutes on 2 cores.
+test-fast: install
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m pytest -q -m "not slow"
+
 bench: install vllm
-	$(PY) benchmarks/dedupe.py
-	$(PY) benchmarks/regenerate_client.py
-	$(PY) benchmarks/extract.py
-	$(PY) benchmarks/train.py
-	$(PY) benchmarks/teacher_storage.py
-	$(PY) benchmarks/extract_workers.py
-	$(PY) benchmarks/extract_vllm.py
-	$(PY) benchmarks/target_dtype.py
-	$(PY) benchmarks/pipeline.py
+	$(PY) -m benchmarks.dedupe
+	$(PY) -m benchmarks.regenerate_client
+	$(PY) -m benchmarks.extract
+	$(PY) -m benchmarks.train
+	$(PY) -m benchmarks.teacher_storage
+	$(PY) -m benchmarks.extract_workers
+	$(PY) -m benchmarks.extract_vllm
+	$(PY) -m benchmarks.target_dtype
+	$(PY) -m benchmarks.pipeline
 
 clean:
 	rm -rf runs .pytest_cache

@@ -15,9 +15,9 @@ Datasets: the recovered ShareGPT prompts, and a seeded synthetic set with plante
 (one edit kind per planted pair) whose exact Jaccard is computed, so recall and precision can be
 measured. Times include canonicalisation and shingling on both sides.
 
-    .venv/bin/python benchmarks/dedupe.py                 # 200,000 synthetic texts
-    .venv/bin/python benchmarks/dedupe.py --quick         # 5,000, a smoke run
-    .venv/bin/python benchmarks/dedupe.py --baseline-limit 50000   # datasketch on a prefix only
+    .venv/bin/python -m benchmarks.dedupe                 # 200,000 synthetic texts
+    .venv/bin/python -m benchmarks.dedupe --quick         # 5,000, a smoke run
+    .venv/bin/python -m benchmarks.dedupe --baseline-limit 50000   # datasketch on a prefix only
 """
 
 from __future__ import annotations
@@ -36,10 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tasks.discover import dedupe  # noqa: E402
-from tasks.discover.prompts import canonical_text  # noqa: E402
+from benchmarks.report import table
+from tasks.discover import dedupe
+from tasks.discover.prompts import canonical_text
 
 NUM_PERM = 128
 NGRAM = 5
@@ -109,10 +108,9 @@ def run_datasketch(texts: list[str]) -> np.ndarray:
     return dup
 
 
-def _clear_caches() -> None:
+def clear_caches() -> None:
     """Every timed run of ours starts cold, as the first batch of a new process would."""
-    dedupe._POWERS = (np.ones(1, np.uint64), np.ones(1, np.uint64))
-    dedupe._densify_table.cache_clear()
+    dedupe.clear_caches()
 
 
 @dataclass
@@ -157,7 +155,7 @@ class Synthetic:
     jaccard: np.ndarray  # per pair: exact Jaccard of the two shingle sets
 
 
-def _vocabulary(rng: np.random.Generator, size: int) -> list[str]:
+def vocabulary(rng: np.random.Generator, size: int) -> list[str]:
     letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8)
     words: dict[str, None] = {}
     while len(words) < size:
@@ -173,7 +171,7 @@ def _vocabulary(rng: np.random.Generator, size: int) -> list[str]:
 def make_synthetic(n_total: int, seed: int, planted_share: float = 0.2, vocab_size: int = 50_000) -> Synthetic:
     """Base texts of 30-300 Zipf-drawn words in sentences; a planted variant for `planted_share` of them."""
     rng = np.random.default_rng(seed)
-    vocab = _vocabulary(rng, vocab_size)
+    vocab = vocabulary(rng, vocab_size)
     weights = 1.0 / (np.arange(vocab_size) + 10.0)  # Zipf-ish, s = 1, flattened head
     weights /= weights.sum()
     # token forms: plain, sentence start (capitalised), sentence end (with a full stop), both
@@ -324,17 +322,6 @@ def evaluate(dup: np.ndarray, syn: Synthetic, pair_mask: np.ndarray, shingles: S
 
 # ---------------------------------------------------------------- output
 
-def table(title: str, header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    def line(cells):
-        return "| " + " | ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
-    sep = "|" + "|".join(("-" * (w + 1) + ":") if i else ("-" * (w + 2)) for i, w in enumerate(widths)) + "|"
-    out = [f"\n{title}\n", line(header), sep] + [line(r) for r in rows]
-    text = "\n".join(out)
-    print(text, flush=True)
-    return text
-
-
 def fmt_rate(n: int, s: float) -> str:
     return f"{n / s:,.0f}"
 
@@ -391,7 +378,7 @@ def main() -> int:
     # ------------------------------------------------ ShareGPT
     if not args.skip_sharegpt:
         texts = load_sharegpt()
-        d_ours, t_ours = timed(run_ours, texts, args.repeats, _clear_caches)
+        d_ours, t_ours = timed(run_ours, texts, args.repeats, clear_caches)
         d_ds, t_ds = timed(run_datasketch, texts, 1)
         ratios["sharegpt"] = t_ds.seconds / t_ours.seconds
         table(f"ShareGPT prompts ({len(texts):,} texts, {sum(map(len, texts)) / len(texts):,.0f} chars on average)",
@@ -439,9 +426,9 @@ def main() -> int:
     limit = args.baseline_limit if 0 < args.baseline_limit < n else n
     sub = syn.texts[:limit]
     in_sub = (syn.pairs < limit).all(axis=1)
-    d_ours_full, t_ours_full = timed(run_ours, syn.texts, args.repeats, _clear_caches)
+    d_ours_full, t_ours_full = timed(run_ours, syn.texts, args.repeats, clear_caches)
     if limit < n:
-        d_ours_sub, t_ours_sub = timed(run_ours, sub, args.repeats, _clear_caches)
+        d_ours_sub, t_ours_sub = timed(run_ours, sub, args.repeats, clear_caches)
     else:
         d_ours_sub, t_ours_sub = d_ours_full, t_ours_full
     d_ds, t_ds = timed(run_datasketch, sub, 1)

@@ -11,7 +11,7 @@ uses (`serving.client.ServerPool`), keeping as many requests in flight as the se
 Reports aggregate completion tokens/s (all requests, wall clock from first send to last answer),
 the ratio against the old server, and whether the greedy answers are the same text.
 
-Run: .venv/bin/python benchmarks/embedded_server.py [--prompts 24] [--max-tokens 128] [--parallel 2 4]
+Run: .venv/bin/python -m benchmarks.embedded_server [--prompts 24] [--max-tokens 128] [--parallel 2 4]
 """
 
 from __future__ import annotations
@@ -20,17 +20,15 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import load, table  # noqa: E402
-from serving.client import Endpoint, ServerPool  # noqa: E402
-from serving.llamacpp.server import LlamaCppServer  # noqa: E402
-from tasks.discover.sources import sharegpt_package_path  # noqa: E402
-from tasks.model.target import smollm2_gguf_path  # noqa: E402
+from benchmarks.report import load, table
+from serving.client import Endpoint, ServerPool
+from serving.llamacpp.server import LlamaCppServer
+from tasks.discover.sources import sharegpt_package_path
+from tasks.model.target import smollm2_gguf_path
 
 
 def sharegpt_prompts(n: int, skip: int = 0) -> list[str]:

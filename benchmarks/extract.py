@@ -34,7 +34,7 @@ the draft vocab (32,000 ids, for the top-k teacher) is counted from the whole po
    discover's checks). Disk budget: `--budget-share` (default 0.35) of the predicted bytes of all
    samples (at least 1.25 x the largest sample's shard), shard_bytes a quarter of it; flow defaults
    otherwise (bf16, final_hidden). After each round the written shards are marked read
-   (`LineageStore.mark_shards_read`) and deleted (`tasks.extract.plan.delete_consumed_shards`), as a
+   (`store.extraction.mark_shards_read`) and deleted (`tasks.extract.plan.delete_consumed_shards`), as a
    training run would. Per round: the flow's own `peak_disk_bytes`, the peak seen by a thread
    polling the shard folder every 5 ms (temporaries included), peak / budget, and the size the next
    pending sample's shard would need (a round that stops on the budget must stop only when that
@@ -51,9 +51,9 @@ are not CPU time: the wall timers of the write show them.
 Everything is written under a temporary directory on the same disk as /tmp (fsync is real),
 removed at the end (`--keep` keeps it).
 
-    .venv/bin/python benchmarks/extract.py                  # about 6 minutes of CPU on one core
-    .venv/bin/python benchmarks/extract.py --quick          # a smoke run, about 2 minutes
-    .venv/bin/python benchmarks/extract.py --samples 16 --repeats 5 --threads 0
+    .venv/bin/python -m benchmarks.extract                  # about 6 minutes of CPU on one core
+    .venv/bin/python -m benchmarks.extract --quick          # a smoke run, about 2 minutes
+    .venv/bin/python -m benchmarks.extract --samples 16 --repeats 5 --threads 0
 """
 
 from __future__ import annotations
@@ -62,44 +62,38 @@ import argparse
 import datetime
 import gc
 import hashlib
-import json
 import os
 import platform
 import shutil
 import statistics
 import struct
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-import types
 from collections import Counter, defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-
 # Prefect reads its settings at import: set them before anything imports it (part 3 starts the server).
-from report import private_prefect_env  # noqa: E402  (benchmarks/report.py, beside this script)
+from benchmarks.report import ROOT, Clock, load, mib, private_prefect_env, table
 
 _PREFECT_HOME = private_prefect_env()
 
 import torch  # noqa: E402
-from report import Clock, load, mib, table  # noqa: E402  (benchmarks/report.py, beside this script)
 
+from benchmarks.extract_disk import run_flow_rounds  # noqa: E402
+from benchmarks.extract_probe import Probe, install_probe  # noqa: E402
 import storage.shards as shards_mod  # noqa: E402
 import tasks.extract.hf_backend as extract_mod  # noqa: E402
 import tasks.extract.plan as rounds_mod  # noqa: E402
 from storage.shards import ShardStore  # noqa: E402
+from tasks.discover.prompts import Prompt, normalise_record  # noqa: E402
+from tasks.discover.sources import read_file, sharegpt_package_path  # noqa: E402
 from tasks.extract.chat import Sample, render_and_mask  # noqa: E402
 from tasks.extract.hf_backend import Extracted, ExtractSettings, HFExtractor, aux_hidden_float, default_aux_layer_ids  # noqa: E402
-from tasks.discover.prompts import Prompt, normalise_record  # noqa: E402
-from tasks.regenerate.answers import generation_id  # noqa: E402
-from tasks.extract.plan import extract_key, pack_results, predicted_shard_bytes, read_shard, sample_id, tokenize_key  # noqa: E402
-from tasks.discover.sources import read_file, sharegpt_package_path  # noqa: E402
-from tasks.model.target import TargetIdentity, gguf_chat_template, gguf_revision, load_target, smollm2_gguf_path  # noqa: E402
+from tasks.extract.plan import pack_results, predicted_shard_bytes, read_shard  # noqa: E402
 from tasks.extract.vocab import TokenCounter, build_draft_vocab  # noqa: E402
+from tasks.ids import extract_key, generation_id, sample_id, tokenize_key  # noqa: E402
+from tasks.model.target import TargetIdentity, gguf_chat_template, gguf_revision, load_target, smollm2_gguf_path  # noqa: E402
 
 MAX_LENGTH = 1024
 MAX_BATCH_TOKENS = 8192  # ExtractConfig's default
@@ -143,66 +137,6 @@ def render(records: list, tokenizer, template: str) -> tuple[list[tuple[str, Sam
         else:
             skipped[s.reason.split(" within")[0]] += 1
     return out, skipped
-
-
-# ---------------------------------------------------------------- timers around the code under test
-
-class Probe:
-    """Accumulated wall and CPU seconds inside wrapped functions (module globals and class attributes).
-
-    A wrapped function called inside another wrapped one is booked under `inner@outer` instead of
-    its own key, so no second is counted twice (`_nonfinite` also runs on the logits inside `TopkTeacher.fill`).
-    """
-
-    def __init__(self) -> None:
-        self.t: dict[str, float] = defaultdict(float)
-        self._restore: list[tuple[object, str, object]] = []
-        self._stack: list[str] = []
-
-    def wrap(self, owner: object, name: str, key: str) -> None:
-        orig = getattr(owner, name)
-        acc, stack = self.t, self._stack
-
-        def timed(*a, **k):
-            book = f"{key}@{stack[-1]}" if stack else key
-            stack.append(key)
-            clock = Clock()
-            try:
-                return orig(*a, **k)
-            finally:
-                w, c = clock.read()
-                acc[f"{book}:wall"] += w
-                acc[f"{book}:cpu"] += c
-                stack.pop()
-        setattr(owner, name, timed)
-        self._restore.append((owner, name, orig))
-
-    def reset(self) -> None:
-        self.t.clear()
-
-    def remove(self) -> None:
-        for owner, name, orig in reversed(self._restore):
-            setattr(owner, name, orig)
-        self._restore.clear()
-
-
-def install_probe() -> Probe:
-    p = Probe()
-    p.wrap(HFExtractor, "_forward", "forward_hs")
-    p.wrap(extract_mod.TopkTeacher, "fill", "topk")
-    p.wrap(extract_mod, "_nonfinite", "nonfinite")
-    p.wrap(extract_mod, "quantize_fp8", "fp8")
-    p.wrap(shards_mod, "_st_save_file", "save_file")
-    p.wrap(shards_mod, "file_sha256", "sha256")
-    # `TopkTeacher.fill` calls `F.linear` for its float32 logits; `tasks.extract.hf_backend` gets its own timed copy of
-    # torch.nn.functional, so the model's own layers (which call F.linear too) are not timed.
-    real_f = extract_mod.F
-    proxy = types.ModuleType("torch.nn.functional (timed)")
-    proxy.__dict__.update(real_f.__dict__)
-    extract_mod.F = proxy
-    p._restore.append((extract_mod, "F", real_f))
-    p.wrap(proxy, "linear", "logits")
-    return p
 
 
 # ---------------------------------------------------------------- part 2 runs
@@ -292,131 +226,6 @@ def header_bytes(path: Path) -> int:
 
 def med(runs: list[dict], key: str) -> float:
     return statistics.median(r.get(key, 0.0) for r in runs)
-
-
-# ---------------------------------------------------------------- part 3: the flow
-
-class FolderPeak:
-    """A thread that polls a folder's total file bytes (temporaries included) and keeps the max."""
-
-    def __init__(self, folder: Path, every_s: float = 0.005) -> None:
-        self.folder, self.every, self.peak = folder, every_s, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _size(self) -> int:
-        total = 0
-        try:
-            with os.scandir(self.folder) as it:
-                for e in it:
-                    try:
-                        if e.is_file():
-                            total += e.stat().st_size
-                    except FileNotFoundError:
-                        pass
-        except FileNotFoundError:
-            pass
-        return total
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._size())
-            time.sleep(self.every)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._size())
-
-
-def run_flow_rounds(records: list, tokens_of_prompt: dict[str, int], data_bytes: int, largest_sample_bytes: int,
-                    budget_share: float, tmp: Path, identity: TargetIdentity, hidden_size: int) -> dict:
-    from flows.extract import extract
-    from flows.prefect_api import api_healthy, start_local_api
-    from flows.regenerate import regenerate
-    from storage.lineage import LineageStore
-    from tasks.config import ExtractConfig, RegenerateConfig
-    from tasks.extract.plan import delete_consumed_shards
-
-    url = os.environ["PREFECT_API_URL"]
-    proc = None
-    t0 = time.perf_counter()
-    if _PREFECT_HOME is not None:
-        port = int(url.rsplit(":", 1)[1].split("/")[0])
-        url, proc = start_local_api(_PREFECT_HOME, port)
-        how = f"local server started in {time.perf_counter() - t0:.1f}s (PREFECT_HOME {_PREFECT_HOME})"
-    else:
-        if not api_healthy(url):
-            raise RuntimeError(f"PREFECT_API_URL={url} does not answer /health")
-        how = "existing PREFECT_API_URL"
-    print(f"Prefect API {url}: {how}", flush=True)
-    try:
-        ws = tmp / "flow-ws"
-        ws.mkdir()
-        src = tmp / "sharegpt-head.jsonl"
-        src.write_text("".join(json.dumps(r.data) + "\n" for r in records))
-        t1 = time.perf_counter()
-        reg = regenerate(RegenerateConfig(workspace=str(ws), target_model=identity.name,
-                                          target_revision=identity.revision,
-                                          imports=[{"name": "sharegpt-head", "path": str(src)}]))
-        print(f"imported {reg.imported} finished generations from {len(records)} ShareGPT records "
-              f"in {time.perf_counter() - t1:.1f}s", flush=True)
-        budget = max(int(data_bytes * budget_share), int(largest_sample_bytes * 1.25))
-        shard_bytes = budget // 4
-        cfg = ExtractConfig.model_validate({"workspace": str(ws), "max_length": MAX_LENGTH,
-                                            "disk_budget_bytes": budget, "shard_bytes": shard_bytes})
-        store = LineageStore(ws / "lineage.duckdb")
-        shard_dir = ws / "shards"
-        shards = ShardStore(shard_dir, budget)
-
-        def next_shard_bytes(ekey: str, settings: ExtractSettings) -> int | None:
-            """The shard the head of the pending queue would need on its own (what the planner checks),
-            from this benchmark's own rendering of the same conversation."""
-            for gid, params_key, _ in store.pending_generations(ekey, cfg.generation_params_keys, None):
-                n = next((t for p, t in tokens_of_prompt.items() if generation_id(p, params_key) == gid), None)
-                if n is not None:  # None: a conversation that yields no sample (the flow skips it too)
-                    return predicted_shard_bytes([n], [sample_id(gid, ekey)], ekey, settings, hidden_size)
-            return None
-
-        rows = []
-        for rnd in range(1, 51):
-            w0 = time.perf_counter()
-            with FolderPeak(shard_dir) as poll:
-                s = extract(cfg)
-            wall = time.perf_counter() - w0
-            live = store.live_shards()
-            rows.append({"round": rnd, "shards": s.shards_written, "samples": s.extracted, "tokens": s.tokens,
-                         "flow_peak": s.peak_disk_bytes, "polled_peak": poll.peak, "used_end": shards.used_bytes(),
-                         "stopped_by": s.stopped_by, "seconds": wall, "next_bytes": None})
-            if s.stopped_by != "budget":
-                break
-            if s.shards_written == 0:
-                raise RuntimeError(f"round {rnd} stopped on the budget without writing a shard: budget too small")
-            settings = ExtractSettings(aux_layer_ids=s.aux_layer_ids, teacher=cfg.teacher, topk=cfg.topk,
-                                       storage=cfg.storage)
-            rows[-1]["next_bytes"] = next_shard_bytes(s.extract_key, settings)
-            store.mark_shards_read("bench-train", sorted(live), epoch=0)
-            deleted = delete_consumed_shards(store, shards)
-            assert len(deleted) == len(live) and shards.used_bytes() == 0, (deleted, live)
-        _, outcomes = store.query_readonly("SELECT outcome, count(*), sum(tokens) FROM samples GROUP BY 1 ORDER BY 1")
-        _, dup = store.query_readonly("SELECT count(*) - count(DISTINCT generation_id) FROM samples")
-        return {"budget": budget, "shard_bytes": shard_bytes, "rounds": rows, "imported": reg.imported,
-                "outcomes": outcomes, "duplicate_samples": dup[0][0]}
-    finally:
-        if proc is not None:
-            from prefect.logging.handlers import APILogWorker
-
-            APILogWorker.drain_all(timeout=10)
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 # ---------------------------------------------------------------- main
@@ -681,7 +490,8 @@ def _run(args, tmp: Path, started: float) -> int:
     print(f"\nPart 3: the `extract` flow on the first {len(flow_records)} ShareGPT records ({len(flow_pool)} render "
           f"to samples, {flow_tokens:,} tokens, {mib(data_bytes)} MiB as bf16+final_hidden); budget "
           f"{args.budget_share:.0%} of that, at least 1.25 x the largest sample's shard ({mib(largest)} MiB)", flush=True)
-    flow = run_flow_rounds(flow_records, tokens_of_prompt, data_bytes, largest, args.budget_share, tmp, identity, H)
+    flow = run_flow_rounds(flow_records, tokens_of_prompt, data_bytes, largest, args.budget_share, tmp, identity, H,
+                           MAX_LENGTH, _PREFECT_HOME)
     budget = flow["budget"]
     f_rows, worst, justified = [], 0.0, True
     for r in flow["rounds"]:

@@ -8,7 +8,7 @@ to the token's largest value (one bf16 rounding step is <= 2^-7 of it). Acceptan
 flow on each backend, then the same draft training (same seed, steps, order) and the same
 offline benchmark (held-out ShareGPT prompts, chain depth 3, greedy).
 
-Run (after `make vllm`): `.venv/bin/python benchmarks/extract_vllm.py [--dtype bfloat16] [--no-train]`.
+Run (after `make vllm`): `.venv/bin/python -m benchmarks.extract_vllm [--dtype bfloat16] [--no-train]`.
 """
 
 from __future__ import annotations
@@ -16,13 +16,10 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
@@ -63,7 +60,7 @@ def rel_err(a, b) -> tuple[float, float]:
 def run(args) -> None:
     import torch
 
-    from helpers import sharegpt_chats
+    from benchmarks.fixtures import sharegpt_chats
     from serving.vllm.extract_server import VllmHiddenStatesServer, VllmLaunch, vllm_layer_ids
     from tasks.extract.hf_backend import ExtractSettings, HFExtractor, default_aux_layer_ids
     from tasks.extract.vllm_backend import VllmExtractor, load_final_norm_and_head
@@ -122,10 +119,10 @@ def run(args) -> None:
 def acceptance(args, root: Path, train_chats, eval_chats, model, tokenizer) -> None:
     from flows.extract import extract
     from flows.train import train
-    from helpers import extract_config, import_generations
+    from benchmarks.fixtures import extract_config, import_generations
     from tasks.config import TrainConfig
     from tasks.evaluate.offline import offline_acceptance
-    from tasks.export.checkpoint import load_sglang
+    from serving.sglang.export import load_sglang
 
     base = root / "base"
     import_generations(base, root, [{"messages": m} for m in train_chats])

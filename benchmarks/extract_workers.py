@@ -21,8 +21,8 @@ bytes for the same samples (checked).
 
 Everything is written under a temporary directory removed at the end (`--keep` keeps it).
 
-    .venv/bin/python benchmarks/extract_workers.py                 # ~3 minutes on 2 cores
-    .venv/bin/python benchmarks/extract_workers.py --records 48 --repeats 3
+    .venv/bin/python -m benchmarks.extract_workers                 # ~3 minutes on 2 cores
+    .venv/bin/python -m benchmarks.extract_workers --records 48 --repeats 3
 """
 
 from __future__ import annotations
@@ -39,12 +39,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 # Prefect reads its settings at import: set them before anything imports it. Worker processes
 # re-import this module (spawn): they must not start servers, hence the main guard below.
-from report import private_prefect_env  # noqa: E402  (benchmarks/report.py, beside this script)
+from benchmarks.report import private_prefect_env
 
 _PREFECT_HOME = private_prefect_env()
 
@@ -64,7 +62,7 @@ def import_workspace(ws: Path, src: Path) -> int:
 
 def run_extract(ws: Path, workers: int, shard_bytes: int) -> dict:
     from flows.extract import extract
-    from storage.lineage import LineageStore
+    from storage.studies import StudyReads
     from tasks.config import ExtractConfig
 
     cfg = ExtractConfig.model_validate({"workspace": str(ws), "max_length": MAX_LENGTH, "workers": workers,
@@ -73,8 +71,7 @@ def run_extract(ws: Path, workers: int, shard_bytes: int) -> dict:
     s = extract(cfg)
     wall = time.perf_counter() - t0
     assert s.stopped_by == "done", s.stopped_by
-    _, rows = LineageStore(ws / "lineage.duckdb").query_readonly(
-        "SELECT epoch(created_at), tokens FROM shards ORDER BY created_at")
+    rows = StudyReads(ws / "lineage.duckdb").shard_times()
     # The first window of in-flight shards completes in a burst once the processes are warm; commits
     # after it come at the rate the processes extract.
     skip = 2 * workers
@@ -97,7 +94,7 @@ def main() -> int:
     args = ap.parse_args()
 
     import torch
-    from report import load, table
+    from benchmarks.report import load, table
 
     if args.one_process_threads > 0:
         torch.set_num_threads(args.one_process_threads)

@@ -15,7 +15,7 @@ The draft: `--draft DIR` (an exported SGLang folder, e.g. the demo's), else a ra
 one with the target's embeddings (acceptance ~1, but every round still verifies k+1 tokens at once,
 which is where batched verification and one-token decoding part ways).
 
-Run: .venv/bin/python benchmarks/offline_eval.py [--prompts 6] [--k 3] [--max-new-tokens 64] [--draft DIR]
+Run: .venv/bin/python -m benchmarks.offline_eval [--prompts 6] [--k 3] [--max-new-tokens 64] [--draft DIR]
 """
 
 from __future__ import annotations
@@ -28,16 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.report import load, table  # noqa: E402
-from tasks.evaluate import offline as after_module  # noqa: E402
-from tasks.evaluate.offline import HUMANEVAL, benchmark_sets, first_difference, prompts_for_benchmark, target_greedy  # noqa: E402
-from tasks.model.target import load_target, stop_token_ids  # noqa: E402
+from benchmarks.fixtures import chat_prompts, random_draft  # the tests' random draft and ShareGPT chat prompts
+from benchmarks.report import ROOT, load, table
+from tasks.evaluate import offline as after_module
+from tasks.evaluate.offline import HUMANEVAL, benchmark_sets, first_difference, prompts_for_benchmark, target_greedy
+from tasks.model.target import load_target, stop_token_ids
 
 CACHE = Path(tempfile.gettempdir()) / "eagle3-test-targets"  # the tests' conversions, reused
 BEFORE_COMMIT = "48940e8"
@@ -57,10 +54,8 @@ def before_module():
 
 
 def run(module, draft_dtype: torch.dtype, model, tok, prompts, args) -> tuple[float, int, int, dict]:
-    from test_evaluate import _draft  # the tests' random draft: seeded vocabulary, the target's embeddings
-
     draft = (module.load_draft_for_target(args.draft, model) if args.draft
-             else _draft(model, n_draft=4096, aux=(1, 14, 26))).to(draft_dtype)
+             else random_draft(model, n_draft=4096, aux=(1, 14, 26))).to(draft_dtype)
     drafters = [module.Eagle3Drafter(draft, "aux"), module.Eagle3Drafter(draft, "final"), module.PromptLookupDrafter()]
     stops = stop_token_ids(model, tok)
     started = time.perf_counter()
@@ -73,8 +68,6 @@ def run(module, draft_dtype: torch.dtype, model, tok, prompts, args) -> tuple[fl
 
 
 def main() -> None:
-    from test_evaluate import _chat_prompts  # the tests' chat prompts: ShareGPT first turns
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=6, help="per domain (chat, HumanEval)")
     ap.add_argument("--k", type=int, default=3)
@@ -86,7 +79,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok = load_target(cache_dir=CACHE, dtype=getattr(torch, args.dtype))
-    sets = [("chat", _chat_prompts(args.prompts)), (HUMANEVAL, benchmark_sets()[0][1][:args.prompts])]
+    sets = [("chat", chat_prompts(args.prompts)), (HUMANEVAL, benchmark_sets()[0][1][:args.prompts])]
     prompts = prompts_for_benchmark(tok, None, sets)
     load_before = load()
     before = run(before_module(), torch.bfloat16, model, tok, prompts, args)

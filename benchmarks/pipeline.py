@@ -7,13 +7,12 @@ the same Prefect API: `eagle3 run` once, against `eagle3 discover`, `regenerate`
 seconds of each side, per stage where the pipeline records them, and the ratio; then a second
 `eagle3 run` on the finished workspace (the cost of "resume when everything is done").
 
-    .venv/bin/python benchmarks/pipeline.py [--records 12] [--max-tokens 24]
+    .venv/bin/python -m benchmarks.pipeline [--records 12] [--max-tokens 24]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -22,14 +21,10 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from report import load, table  # noqa: E402
-from serving.llamacpp.server import free_port  # noqa: E402
-from storage.lineage import LineageStore  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.report import ROOT, load, table
+from serving.llamacpp.server import free_port
+from storage.studies import StudyReads
 
 
 def config(ws: Path, path: Path, records: int, max_tokens: int) -> Path:
@@ -70,9 +65,7 @@ def main() -> None:
     run_cfg = config(tmp / "run", tmp / "run.yaml", a.records, a.max_tokens)
     run_total = cli(run_cfg, "run")
     again = cli(run_cfg, "run")
-    stages = json.loads(LineageStore(tmp / "run" / "lineage.duckdb").query_readonly(
-        "SELECT summary FROM runs WHERE flow = 'pipeline' AND state = 'COMPLETED' ORDER BY started_at LIMIT 1"
-    )[1][0][0])["stages"]
+    stages = StudyReads(tmp / "run" / "lineage.duckdb").first_completed_summary("pipeline")["stages"]
     inside = {s["stage"].split(" ")[0].replace("benchmark", "bench"): s["seconds"] for s in stages}
     rows = [[s, f"{per_stage[s]:.1f}", f"{inside.get(s, 0):.1f}"] for s in per_stage]
     rows.append(["total (wall, process start included)", f"{steps_total:.1f}", f"{run_total:.1f}"])

@@ -10,7 +10,7 @@ Only meaningful where a native build runs: on a CPU with AVX-512 or AMX the nati
 them and the ratio says what the portable one gives up; on an AVX2-only CPU both builds use the
 same instructions and the ratio should be about 1.
 
-Run: .venv/bin/python benchmarks/portable_build.py [--repeat 3] [--pp 128] [--tg 64]
+Run: .venv/bin/python -m benchmarks.portable_build [--repeat 3] [--pp 128] [--tg 64]
 """
 
 from __future__ import annotations
@@ -19,15 +19,13 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import cpu_name, load, table  # noqa: E402
-from serving.llamacpp.build import NATIVE_CMAKE_ARGS, PORTABLE_CMAKE_ARGS, build_tool  # noqa: E402
-from tasks.model.target import smollm2_gguf_path, this_cpu_flags  # noqa: E402
+from benchmarks.report import cpu_name, load, table
+from serving.llamacpp.build import NATIVE_CMAKE_ARGS, PORTABLE_CMAKE_ARGS, build_tool
+from tasks.model.target import smollm2_gguf_path, this_cpu_flags
 
 
 def cpu_flags() -> str:

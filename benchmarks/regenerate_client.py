@@ -22,9 +22,9 @@ the client's CPU time (`time.process_time()` of this process) is the client's al
    give 128 answers/s per endpoint: far above a real baseline (Kimi-K2.5 on 8 GPUs writes ~830
    tok/s in all, about 2 answers/s), so a pass means the client is never the bottleneck.
 
-    .venv/bin/python benchmarks/regenerate_client.py            # defaults, about 2 minutes
-    .venv/bin/python benchmarks/regenerate_client.py --quick    # a smoke run, a few seconds
-    .venv/bin/python benchmarks/regenerate_client.py --requests 5000 --concurrency 64 --sat-requests 5000
+    .venv/bin/python -m benchmarks.regenerate_client            # defaults, about 2 minutes
+    .venv/bin/python -m benchmarks.regenerate_client --quick    # a smoke run, a few seconds
+    .venv/bin/python -m benchmarks.regenerate_client --requests 5000 --concurrency 64 --sat-requests 5000
 
 Throughput depends on what else the machine runs: the load average is printed before and after.
 CPU ms per request is much less sensitive to that than requests/s.
@@ -42,15 +42,12 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-import httpx  # noqa: E402
+import httpx
 
-from serving.client import Endpoint, RetryPolicy, ServerPool  # noqa: E402
-from serving.scripted_server import answer_for, spawn  # noqa: E402
+from serving.client import Endpoint, RetryPolicy, ServerPool
+from serving.scripted_server import answer_for, spawn
 
 MODEL = "scripted-model"
 SAT_TARGET = 0.95

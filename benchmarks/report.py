@@ -1,4 +1,5 @@
-"""Output helpers shared by the benchmarks: markdown tables, MiB, load average, CPU name, wall+CPU clocks."""
+"""Output helpers shared by the benchmarks: the repo root and results folder, markdown tables, MiB, load average,
+CPU name, wall+CPU clocks, a private Prefect API."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository: configs, runs and git live here
+RESULTS = ROOT / "benchmarks" / "results"  # the tables (JSONL) and plots kept in git
 
 
 def table(title: str, header: list[str], rows: list[list]) -> str:

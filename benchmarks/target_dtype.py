@@ -17,7 +17,7 @@ are apart: the relative L2 distance of the aux states (what the draft trains on)
 loss-masked positions where the target's next token (argmax) differs, with float32 as reference.
 Torch threads: torch's default (every core), as the flow runs.
 
-Run: `.venv/bin/python benchmarks/target_dtype.py` (about 10 minutes on a 2-core AVX2 host).
+Run: `.venv/bin/python -m benchmarks.target_dtype` (about 10 minutes on a 2-core AVX2 host).
 A line per run is appended to benchmarks/results/target_dtype.jsonl.
 """
 
@@ -30,23 +30,18 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import torch
+from benchmarks.extract import MAX_BATCH_TOKENS, render, sharegpt_records
+from benchmarks.report import RESULTS, ROOT, cpu_name, load
 
-import torch  # noqa: E402
-from extract import MAX_BATCH_TOKENS, render, sharegpt_records  # noqa: E402  (benchmarks/extract.py)
-from report import cpu_name, load  # noqa: E402
-
-from tasks.evaluate.offline import target_greedy  # noqa: E402
-from tasks.extract.hf_backend import Extracted, ExtractSettings, HFExtractor, aux_hidden_float, default_aux_layer_ids  # noqa: E402
-from tasks.model.target import (CPU_BF16_FLAGS, gguf_chat_template, load_target, resolve_target_dtype,  # noqa: E402
+from tasks.evaluate.offline import target_greedy
+from tasks.extract.hf_backend import Extracted, ExtractSettings, HFExtractor, aux_hidden_float, default_aux_layer_ids
+from tasks.model.target import (CPU_BF16_FLAGS, gguf_chat_template, load_target, resolve_target_dtype,
                           smollm2_gguf_path, this_cpu_flags)
 
 DTYPES = ("bfloat16", "float32")
-RESULTS = ROOT / "benchmarks" / "results" / "target_dtype.jsonl"
+RESULT_FILE = RESULTS / "target_dtype.jsonl"
 
 
 def main() -> int:
@@ -141,10 +136,10 @@ def main() -> int:
             "prompts": len(prompts), "new_tokens": args.new_tokens, "repeats": args.repeats,
             "median_s": med, "aux_rel_l2": aux_rel, "argmax_diff": argmax_diff, "masked": masked,
             "greedy_equal": same_decode}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    with RESULTS.open("a") as f:
+    RESULT_FILE.parent.mkdir(parents=True, exist_ok=True)
+    with RESULT_FILE.open("a") as f:
         f.write(json.dumps(line) + "\n")
-    print(f"appended to {RESULTS.relative_to(ROOT)}")
+    print(f"appended to {RESULT_FILE.relative_to(ROOT)}")
     return 0
 
 

@@ -5,10 +5,10 @@ with the same seed and steps, and the offline benchmark measures acceptance on h
 The table shows bytes per token (against 4 x H x 2, three aux layers plus the final state in bf16)
 next to the acceptance length each option leads to.
 
-The target is a small random Llama with SmolLM2's tokenizer and a confident head (tests/helpers.py),
+The target is a small random Llama with SmolLM2's tokenizer and a confident head (benchmarks/fixtures.py),
 so that a full comparison runs on a CPU in minutes: the draft learns the target's function from
 its states exactly as it would for a trained model, but absolute acceptance says nothing about
-SmolLM2 or Kimi. Run: `.venv/bin/python benchmarks/teacher_storage.py [--quick]`.
+SmolLM2 or Kimi. Run: `.venv/bin/python -m benchmarks.teacher_storage [--quick]`.
 """
 
 from __future__ import annotations
@@ -16,13 +16,10 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
@@ -56,11 +53,11 @@ def run(n_train: int, n_eval: int, epochs: int, topk: int) -> None:
 
     from flows.extract import extract
     from flows.train import train
-    from helpers import conversations, extract_config, import_generations, make_tiny_target
+    from benchmarks.fixtures import conversations, extract_config, import_generations, make_tiny_target
     from storage.lineage import LineageStore
     from tasks.config import TrainConfig
     from tasks.evaluate.offline import offline_acceptance
-    from tasks.export.checkpoint import load_sglang
+    from serving.sglang.export import load_sglang
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -86,7 +83,7 @@ def run(n_train: int, n_eval: int, epochs: int, topk: int) -> None:
         report = offline_acceptance(model, tokenizer, draft, sets=[("held-out", held_out)], limit=n_eval, k=4,
                                     max_new_tokens=32, baselines=False)
         agg = report.get("eagle3")
-        metrics = LineageStore(ws / "lineage.duckdb").train_metrics("cmp")
+        metrics = LineageStore(ws / "lineage.duckdb").training.metrics("cmp")
         rows.append({
             "teacher": teacher, "storage": storage,
             "bytes/token": s.bytes_written / s.tokens,

@@ -64,11 +64,11 @@ barely depend on the load; wall seconds include waiting for a core. Both are sho
 is given for both; the verdict and the breakdown use CPU seconds. On CUDA (used when `torch.cuda.is_available()`, `--device` to choose) only wall
 seconds mean anything and every timer synchronises.
 
-    .venv/bin/python benchmarks/train.py                    # about 4 minutes of CPU, 7.5 min wall at load 5
-    .venv/bin/python benchmarks/train.py --quick            # a smoke run (1 x 512 batch), 1.5 minutes
-    .venv/bin/python benchmarks/train.py --max-length 512   # the same 2,048 tokens as 4 x 512 samples
-    .venv/bin/python benchmarks/train.py --draft-vocab 32000 --repeats 2   # the config default vocab (~2x slower)
-    .venv/bin/python benchmarks/train.py --profile          # also: torch.profiler top ops of one step each
+    .venv/bin/python -m benchmarks.train                    # about 4 minutes of CPU, 7.5 min wall at load 5
+    .venv/bin/python -m benchmarks.train --quick            # a smoke run (1 x 512 batch), 1.5 minutes
+    .venv/bin/python -m benchmarks.train --max-length 512   # the same 2,048 tokens as 4 x 512 samples
+    .venv/bin/python -m benchmarks.train --draft-vocab 32000 --repeats 2   # the config default vocab (~2x slower)
+    .venv/bin/python -m benchmarks.train --profile          # also: torch.profiler top ops of one step each
 
 The speedup of this tree over an earlier commit on the demo's settings is benchmarks/train_speedup.py.
 """
@@ -78,148 +78,35 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import hashlib
 import json
 import os
 import platform
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
 import tasks.model.draft as dm
-from report import Clock, load, mib, table  # benchmarks/report.py
 import tasks.train.steps as tr
 import tasks.train.ttt as ttt_mod
-from tasks.model.draft import DraftConfig, Eagle3Draft, _rotate_half, _shift_left, load_target_embeddings, ttt_attention
-from tasks.train.ttt import Batch, collate, teacher_targets, ttt_loss
-from tasks.train.steps import Item, epoch_batches, make_optimizer, train_step
+from benchmarks.report import ROOT, Clock, load, mib, table
+from benchmarks.train_setup import SEED, Runs, Setup, load_setup, prepare, save_setup, sha12
+from tasks.model.draft import Eagle3Draft, load_target_embeddings, rotate_half, shift_left, ttt_attention
+from tasks.train.steps import make_optimizer, train_step
+from tasks.train.ttt import Batch, teacher_targets, ttt_loss
 
 TTT_STEPS = 7
 DECAY = 0.8
 LR = 1e-4            # TrainConfig defaults
 WEIGHT_DECAY = 0.0
 GRAD_CLIP = 0.5
-SEED = 0
 TARGET_OVERHEAD = 0.20
-MIN_FILL = 0.9       # the batch: the first epoch batch with at least this share of real tokens
-BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask", "aux_hidden", "lengths", "final_hidden")
-
-
-# ---------------------------------------------------------------- clocks and output
-
-@dataclass
-class Runs:
-    wall: list[float] = field(default_factory=list)
-    cpu: list[float] = field(default_factory=list)
-
-    def add(self, w: float, c: float) -> None:
-        self.wall.append(w)
-        self.cpu.append(c)
-
-    @property
-    def w(self) -> float:
-        return statistics.median(self.wall)
-
-    @property
-    def c(self) -> float:
-        return statistics.median(self.cpu)
-
-
-def sha12(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
-
-
-# ---------------------------------------------------------------- data
-
-@dataclass
-class Setup:
-    batch: Batch
-    dcfg: DraftConfig
-    embed: torch.Tensor      # the target's input embeddings (bf16)
-    head: torch.Tensor       # the target's lm_head weight (bf16; the embeddings when tied)
-    d2t: torch.Tensor
-    t2d: torch.Tensor
-    info: dict
-
-
-def prepare(args) -> Setup:
-    from tasks.extract.chat import Sample, render_and_mask
-    from tasks.extract.hf_backend import ExtractSettings, HFExtractor, default_aux_layer_ids
-    from tasks.discover.prompts import Prompt, normalise_record
-    from tasks.discover.sources import read_file, sharegpt_package_path
-    from tasks.model.target import gguf_chat_template, load_target, smollm2_gguf_path
-    from tasks.extract.vocab import build_draft_vocab, count_tokens
-
-    clock = Clock(lambda: None)
-    model, tokenizer = load_target()
-    template = gguf_chat_template(smollm2_gguf_path())
-    records, _ = read_file(sharegpt_package_path(), "sharegpt")
-    samples, skipped = [], Counter()
-    for r in records[:args.pool]:
-        p = normalise_record(r.data, keep_final_answer=True)
-        if not isinstance(p, Prompt) or p.messages[-1]["role"] != "assistant":
-            skipped["not a conversation ending with an answer"] += 1
-            continue
-        s = render_and_mask(tokenizer, p.messages, args.max_length, "truncate", chat_template=template)
-        if isinstance(s, Sample):
-            samples.append(s)
-        else:
-            skipped[s.reason.split(" within")[0]] += 1
-    vsize = model.config.vocab_size
-    counts = count_tokens([(s.input_ids, s.loss_mask) for s in samples], vsize)
-    vocab = build_draft_vocab(counts, args.draft_vocab)
-    items = [Item("pool", i, s.num_tokens) for i, s in enumerate(samples)]
-    batches = epoch_batches(items, SEED, 0, 0, args.batch_tokens)
-    fill = [sum(it.tokens for it in b) / args.batch_tokens for b in batches]
-    pick = next((i for i, f in enumerate(fill) if f >= MIN_FILL), max(range(len(batches)), key=fill.__getitem__))
-    chosen = [samples[it.slot] for it in batches[pick]]
-    aux_ids = default_aux_layer_ids(model.config.num_hidden_layers)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    ext = HFExtractor(model, ExtractSettings(aux_layer_ids=aux_ids), max_batch_tokens=8192, pad_token_id=pad)
-    recs = ext.extract([(s.input_ids, s.loss_mask) for s in chosen])
-    bad = [r for r in recs if not hasattr(r, "aux_hidden")]
-    if bad:
-        raise RuntimeError(f"extraction quarantined {len(bad)} sample(s): {bad[:2]}")
-    batch = collate(recs, 0)  # pad 0, as flows/train.py collates
-    dcfg = DraftConfig.from_target_config(model.config, vocab.draft_vocab_size, aux_ids)
-    embed = model.get_input_embeddings().weight.detach().clone()
-    head = dm.target_head_weight(model).clone()
-    info = {
-        "pool": len(samples), "skipped": dict(skipped), "coverage": vocab.coverage, "n_filled": vocab.n_filled,
-        "batches": len(batches), "pick": pick, "lengths": [s.num_tokens for s in chosen],
-        "masked": sum(s.num_masked for s in chosen), "tied": bool(getattr(model.config, "tie_word_embeddings", False)),
-        "seconds": clock.read()[0],
-    }
-    del model, ext
-    gc.collect()
-    return Setup(batch, dcfg, embed, head, torch.from_numpy(vocab.d2t), torch.from_numpy(vocab.t2d), info)
-
-
-def save_setup(s: Setup, folder: Path) -> None:
-    tensors = {f"batch.{k}": getattr(s.batch, k).contiguous() for k in BATCH_KEYS}
-    tensors.update({"embed": s.embed.contiguous(), "head": s.head.clone().contiguous(), "d2t": s.d2t, "t2d": s.t2d})
-    save_file(tensors, folder / "setup.safetensors")
-    (folder / "setup.json").write_text(json.dumps({"dcfg": s.dcfg.to_dict(), "info": s.info}))
-
-
-def load_setup(folder: Path) -> Setup:
-    t = load_file(folder / "setup.safetensors")
-    meta = json.loads((folder / "setup.json").read_text())
-    batch = Batch(**{k: t[f"batch.{k}"] for k in BATCH_KEYS}, teacher="final_hidden")
-    return Setup(batch, DraftConfig.from_dict(meta["dcfg"]), t["embed"], t["head"], t["d2t"], t["t2d"], meta["info"])
 
 
 # ---------------------------------------------------------------- the two steps
@@ -248,8 +135,8 @@ def bare_layer(m: dm.Eagle3DecoderLayer, embeds: torch.Tensor, hidden: torch.Ten
     k = a.k_proj(x).view(b, t, a.num_kv_heads, a.head_dim).transpose(1, 2)
     v = a.v_proj(x).view(b, t, a.num_kv_heads, a.head_dim).transpose(1, 2)
     cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     h = hidden + a.o_proj(o.transpose(1, 2).reshape(b, t, a.num_heads * a.head_dim))
     return h + m.mlp(m.post_attention_layernorm(h))
@@ -257,8 +144,8 @@ def bare_layer(m: dm.Eagle3DecoderLayer, embeds: torch.Tensor, hidden: torch.Ten
 
 def hard_labels(batch: Batch, to_draft: torch.Tensor, step: int) -> torch.Tensor:
     """Step i at t predicts token t+i+2: its draft id, -100 where it is not loss-masked or not a draft token."""
-    labels = to_draft[_shift_left(batch.input_ids, step + 2)]
-    keep = _shift_left(batch.loss_mask, step + 2, False) & (labels >= 0)
+    labels = to_draft[shift_left(batch.input_ids, step + 2)]
+    keep = shift_left(batch.loss_mask, step + 2, False) & (labels >= 0)
     return labels.masked_fill(~keep, -100)
 
 
@@ -277,7 +164,7 @@ def bare_step(draft: Eagle3Draft, opt: torch.optim.Optimizer, batch: Batch) -> N
     hidden = draft.fc(batch.aux_hidden.to(draft.fc.weight.dtype))
     loss = torch.zeros((), device=hidden.device)
     for i in range(TTT_STEPS):
-        embeds = draft.embed_tokens(_shift_left(batch.input_ids, i + 1))
+        embeds = draft.embed_tokens(shift_left(batch.input_ids, i + 1))
         cos, sin = draft._rope(t, i)
         hidden = bare_layer(draft.midlayer, embeds, hidden, cos, sin)
         logits = draft.lm_head(draft.norm(hidden))
@@ -507,7 +394,7 @@ def memory_child(folder: Path, variant: str, device_name: str, threads: int) -> 
 
 
 def measure_memory(folder: Path, variant: str, device: torch.device, threads: int) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--memory-child", str(folder), variant,
+    cmd = [sys.executable, "-m", "benchmarks.train", "--memory-child", str(folder), variant,
            "--device", str(device), "--threads", str(threads)]
     p = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=ROOT)
     line = next((x for x in p.stdout.splitlines() if x.startswith("MEMORY ")), None)

@@ -26,8 +26,8 @@ alternating; `--rounds` rounds (default 2). Tokens/s = the epoch's real tokens /
 seconds of its steps (per round; the median round is reported). Both sides train (their weights
 move apart step by step, as in a real run); the first round's losses are printed side by side.
 
-    .venv/bin/python benchmarks/train_speedup.py                 # about 10 minutes here
-    .venv/bin/python benchmarks/train_speedup.py --batches 3     # a smoke run on the first 3 micro-batches
+    .venv/bin/python -m benchmarks.train_speedup                 # about 10 minutes here
+    .venv/bin/python -m benchmarks.train_speedup --batches 3     # a smoke run on the first 3 micro-batches
 """
 
 from __future__ import annotations
@@ -45,13 +45,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from benchmarks.report import ROOT
 
 import torch
 import yaml
 
-from report import load, table  # benchmarks/report.py
+from benchmarks.report import load, table
 import tasks.model.draft as dm
 import tasks.train.steps as tr
 import tasks.train.ttt as ttt_mod

@@ -10,10 +10,10 @@ round cost. The offline evaluator's acceptance for the same draft, prompts and k
 scaling or selection study's results when the draft is one of their points, else measured here (`--offline`).
 
 The draft: a speculators export, or an SGLang export (the scaling study writes those), converted here
-once into `<draft>-speculators` through the project's own export (tasks/export/checkpoint.py).
+once into `<draft>-speculators` through the project's own export (serving/vllm/export.py).
 
 Run (after `make install vllm`):
-    .venv/bin/python benchmarks/vllm_serving.py --workspace runs/scaling --draft PATH [--ks 1 2 3 4]
+    .venv/bin/python -m benchmarks.vllm_serving --workspace runs/scaling --draft PATH [--ks 1 2 3 4]
         [--concurrency 1 4] [--prompts 32] [--max-new 64] [--dtype bfloat16] [--offline]
 Results: a table and the verdict on stdout, one JSON line appended to benchmarks/results/vllm_serving.jsonl,
 and a plot (PNG) beside it.
@@ -25,23 +25,22 @@ import argparse
 import datetime as dt
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
-from benchmarks.report import load, table  # noqa: E402
+from benchmarks.report import ROOT, load, table  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "vllm_serving.jsonl"
 
 
 def speculators_folder(draft: Path, target_folder: Path) -> Path:
     """`draft` itself if it is a speculators export, else its SGLang export converted once beside it."""
-    from tasks.export.checkpoint import SPECULATORS_ARCHITECTURE, export_speculators, load_sglang
+    from serving.draft_folder import SPECULATORS_ARCHITECTURE
+    from serving.sglang.export import load_sglang
+    from serving.vllm.export import export_speculators
 
     config = json.loads((draft / "config.json").read_text())
     if config.get("architectures") == [SPECULATORS_ARCHITECTURE]:
@@ -93,7 +92,7 @@ def main() -> None:
 
     files = load_configured_target_files(None, None, dtype=args.dtype)
     model, tokenizer, identity = load_configured_target(None, None, dtype="float32", device="cpu")
-    held = heldout_set(LineageStore(args.workspace / "lineage.duckdb").heldout_prompts())
+    held = heldout_set(LineageStore(args.workspace / "lineage.duckdb").discover.heldout_prompts())
     if held is None:
         raise SystemExit(f"{args.workspace}: no held-out chat prompts (run discover there first)")
     prompts = [p.input_ids for p in prompts_for_benchmark(tokenizer, identity.chat_template, [held], args.prompts)]
@@ -151,7 +150,7 @@ def main() -> None:
 def measure_offline(model, tokenizer, template, draft: Path, held, n: int, k: int, max_new: int) -> float | None:
     """The offline evaluator's token-weighted acceptance of `draft` on the first `n` held-out prompts at k."""
     from tasks.evaluate.offline import offline_acceptance
-    from tasks.export.checkpoint import load_speculators
+    from serving.vllm.export import load_speculators
 
     loaded = load_speculators(draft, embed_tokens=model.get_input_embeddings().weight.detach()).eval()
     report = offline_acceptance(model, tokenizer, loaded, chat_template=template, sets=[held], limit=n, k=k,

@@ -70,12 +70,12 @@ def benchmark(config: BenchConfig) -> BenchSummary:
 
 def _benchmark(config: BenchConfig, store: LineageStore, run_id: str, logger) -> BenchSummary:
     from serving.doctor import expected_aux_layer_ids_from_lineage, run_doctor
-    from tasks.export.checkpoint import load_sglang
+    from serving.sglang.export import load_sglang
     from tasks.evaluate.offline import benchmark_sets, offline_acceptance
     from tasks.evaluate.curve import acceptance_curve_png
     from tasks.evaluate.heldout import heldout_set
 
-    row = store.checkpoint_row(config.checkpoint) if config.checkpoint else store.checkpoint_row(fmt="sglang")
+    row = store.checkpoints.find(config.checkpoint) if config.checkpoint else store.checkpoints.find(fmt="sglang")
     draft_dir = Path(config.checkpoint) if config.checkpoint else Path(row["path"]) if row else None
     if draft_dir is None:
         raise LineageError("no exported draft in this workspace: run `eagle3 train` first, or name `checkpoint`")
@@ -107,7 +107,7 @@ def _benchmark(config: BenchConfig, store: LineageStore, run_id: str, logger) ->
     draft = load_sglang(draft_dir, embed_tokens=model.get_input_embeddings().weight.detach(),
                         expected_aux_layer_ids=expected).to(model.device).eval()
     sets = benchmark_sets(config.humaneval, [(e.name, e.path) for e in config.eval_sets])
-    held = heldout_set(store.heldout_prompts()) if config.heldout else None
+    held = heldout_set(store.discover.heldout_prompts()) if config.heldout else None
     if held is not None:  # the workspace's held-out chat prompts, next to HumanEval, same serving template
         sets.insert(1 if config.humaneval else 0, held)
         logger.info("domain %s: %d held-out prompts (%d benchmarked)", held[0], len(held[1]),
@@ -120,7 +120,7 @@ def _benchmark(config: BenchConfig, store: LineageStore, run_id: str, logger) ->
     summary.rows = acceptance.to_rows()
     summary.acceptance = {a.drafter: a.acceptance_length_token_weighted for a in acceptance.aggregates
                           if a.domain == "all"}
-    store.write_benchmark_results(run_id, [{
+    store.benchmarks.write_results(run_id, [{
         "bench_id": summary.bench_id, "checkpoint": summary.checkpoint, "kind": "offline",
         "config_label": f"chain k={config.draft_tokens}", "drafter": a.drafter, "domain": a.domain,
         "concurrency": None, "requests": a.requests, "completion_tokens": a.completion_tokens,
@@ -137,7 +137,7 @@ def _benchmark(config: BenchConfig, store: LineageStore, run_id: str, logger) ->
                  identity.chat_template, summary.acceptance.get("eagle3"), expected, logger)
     png = store.path.parent / "reports" / "benchmark" / f"{summary.bench_id}-acceptance.png"
     summary.plot_png = str(acceptance_png(acceptance, png))
-    curve = acceptance_curve_png(store.acceptance_curve(), store.path.parent / "reports" / "acceptance_curve.png")
+    curve = acceptance_curve_png(store.benchmarks.acceptance_curve(), store.path.parent / "reports" / "acceptance_curve.png")
     if curve is not None:
         summary.curve_png = str(curve.path)
         logger.info("acceptance curve on %s (%s): %s", curve.domain, curve.config_label, curve.path)
@@ -169,7 +169,7 @@ def _online(config: BenchConfig, store: LineageStore, run_id: str, summary: Benc
     result = asyncio.run(run())
     rows = result.to_rows(servers[0].label)
     breakeven = result.break_even(servers[0].label).to_rows() if len(servers) > 1 else []
-    store.write_benchmark_results(run_id, [{
+    store.benchmarks.write_results(run_id, [{
         "bench_id": summary.bench_id, "checkpoint": summary.checkpoint, "kind": "online", "config_label": r["config"],
         "drafter": "server", "domain": "all", "concurrency": r["concurrency"], "requests": r["requests"],
         "completion_tokens": r["completion_tokens"], "verify_rounds": r["spec_verify_ct"],
@@ -229,7 +229,7 @@ def _serving(config: BenchConfig, store: LineageStore, run_id: str, summary: Ben
     summary.serving_lines += [f"{name}: {line}" for line in lines]
     for line in lines:
         logger.info("%s: %s", name, line)
-    store.write_benchmark_results(run_id, [{
+    store.benchmarks.write_results(run_id, [{
         "bench_id": summary.bench_id, "checkpoint": summary.checkpoint, "kind": "serving",
         "config_label": f"{engine_name}/{r['config']}", "drafter": r["drafter"], "domain": "all",
         "concurrency": r["concurrency"], "requests": r["requests"], "completion_tokens": r["completion_tokens"],
@@ -313,7 +313,7 @@ def _lineage_export(config: BenchConfig, store: LineageStore, row: dict | None, 
     if row is None:
         raise LineageError(f"benchmark.serving needs the draft as {fmt}: {config.checkpoint} is not a checkpoint "
                            f"registered in lineage, so no {fmt} export of it is known; set {setting}")
-    export = store.checkpoint_export(row["run_name"], row["step"], fmt)
+    export = store.checkpoints.export_of(row["run_name"], row["step"], fmt)
     if export is None:
         raise LineageError(f"benchmark.serving needs the draft as {fmt}: lineage has no {fmt} export of "
                            f"{row['checkpoint']} (training run {row['run_name']!r}, step {row['step']}); train with "

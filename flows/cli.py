@@ -7,35 +7,23 @@ refused statement) exit 2 with one clear line; stage commands run as Prefect flo
 
 from __future__ import annotations
 
-import csv
 import json
 import os
-import sys
-from enum import Enum
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich import box
-from rich.console import Console
-from rich.table import Table
 
+from flows.tables import (OutputFormat, acceptance_view, console, curve_point_view, err, print_dicts, print_rows,
+                          print_serving, serving_lines_from_rows)
 from storage.lineage import LineageError, LineageStore
 from storage.schema import EXAMPLE_QUERIES
 from tasks.config import ConfigError, PipelineConfig, load_config
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="EAGLE-3 data-scaling pipeline.")
-console = Console()
-err = Console(stderr=True)
 
 ConfigOpt = typer.Option(Path("configs/demo.yaml"), "--config", "-c", help="YAML config (validated).")
 WorkspaceOpt = typer.Option(None, "--workspace", "-w", help="Workspace folder; overrides the config's.")
-
-
-class OutputFormat(str, Enum):
-    table = "table"
-    csv = "csv"
-    json = "json"
 
 
 def _config(path: Path, workspace: str | None) -> PipelineConfig:
@@ -60,107 +48,6 @@ def _read(fn, *args):
         raise typer.Exit(2) from None
 
 
-def _print_rows(cols: list[str], rows: list[tuple], fmt: OutputFormat, title: str | None = None,
-                wrap: int | None = None) -> None:
-    if fmt is OutputFormat.csv:
-        w = csv.writer(sys.stdout)
-        w.writerow(cols)
-        w.writerows(rows)
-    elif fmt is OutputFormat.json:
-        print(json.dumps([dict(zip(cols, r)) for r in rows], default=str, ensure_ascii=False, indent=1))
-    else:
-        # Readable in an 80-column terminal and when piped: light borders, and a cell too wide for its
-        # column wraps onto the next line instead of being cut to `dra…`.
-        # One column (`wrap`, else the widest) takes what is left and wraps; the others keep their
-        # width (up to 40).
-        cells = [["" if v is None else str(v) for v in r] for r in rows]
-        widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(cols)]
-        wide = (wrap % len(cols) if wrap is not None else widths.index(max(widths))) if widths else 0
-        t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
-        for i, c in enumerate(cols):
-            if i == wide:
-                t.add_column(c, overflow="fold", ratio=1)
-            else:
-                t.add_column(c, overflow="fold", no_wrap=widths[i] <= 40, min_width=min(widths[i], 40))
-        for r in cells:
-            t.add_row(*r)
-        console.print(t)
-
-
-def acceptance_view(rows: list[dict]) -> tuple[list[str], list[tuple]]:
-    """The offline acceptance rows as a person reads them first: who, where, the acceptance length
-    (token-weighted), how much was measured, and in one cell the share of verify rounds that
-    accepted draft position j, in percent. The full rows (per-request mean, tokens per round,
-    rounds) stay in --format csv|json and the Prefect artifact."""
-    cols = ["drafter", "domain", "accept", "req", "tokens", "% at pos 1..k"]
-    out = []
-    for r in rows:
-        al = r.get("acceptance_length_token_weighted")
-        rates = [r[key] for key in sorted((k for k in r if k.startswith("accept_rate_pos")), key=lambda k: int(k[15:]))]
-        out.append((r["drafter"], r["domain"], "-" if al is None else f"{al:.2f}", r["requests"],
-                    r["completion_tokens"], " ".join("-" if x is None else f"{100 * x:.0f}" for x in rates)))
-    return cols, out
-
-
-def serving_view(rows: list[dict]) -> tuple[list[str], list[tuple]]:
-    """One engine's serving rows (the benchmark's summary rows, or the same read back from the store) as a person
-    reads them, in 80 columns: config, concurrency, speed against the baseline, TTFT p50/p90 in ms, acceptance,
-    draft tokens accepted / proposed, and how many outputs equal the baseline's (`*`: at concurrency > 1,
-    information only). The first divergence, if any, is in the verdict lines under the table."""
-    rank = {"baseline": 0, "eagle3": 1}
-    cols = ["config", "c", "tok/s", "speedup", "TTFT ms", "accept", "acc/draft", "lossless"]
-    out = []
-    for r in sorted(rows, key=lambda r: (rank.get(r["drafter"], 2), r.get("k") or 0, r["concurrency"])):
-        ttft = "/".join("-" if r.get(k) is None else f"{r[k]:.0f}" for k in ("ttft_p50_ms", "ttft_p90_ms"))
-        drafted = r.get("draft_n")
-        lossless = "-" if r.get("lossless_total") is None else f"{r['lossless_identical']}/{r['lossless_total']}"
-        if r.get("lossless_total") is not None and r.get("lossless_informational"):
-            lossless += "*"
-        speedup = r.get("speedup_vs_baseline")
-        out.append((r["config"], r["concurrency"], f"{r['output_tok_s']:.1f}",
-                    "-" if speedup is None else f"{speedup:.2f}x", ttft,
-                    "-" if r.get("acceptance") is None else f"{r['acceptance']:.2f}",
-                    "-" if drafted is None else f"{r.get('draft_n_accepted') or 0}/{drafted}", lossless))
-    return cols, out
-
-
-def _print_serving(rows: list[dict], lines: list[str]) -> None:
-    """Each engine's table, then its verdict (faster or slower, break-even, lossless, online vs offline)."""
-    from serving.bench.engines import ENGINE_NAMES, SERVER_NAMES
-
-    for engine in dict.fromkeys(r.get("engine", "llamacpp") for r in rows):
-        mine = [r for r in rows if r.get("engine", "llamacpp") == engine]
-        build = next((r.get("server_build") for r in mine if r.get("server_build")), "?")
-        max_new = mine[0].get("max_new_tokens")
-        _print_rows(*serving_view(mine), OutputFormat.table,
-                    f"{SERVER_NAMES[engine]} {build}, greedy, {max_new} new tokens. TTFT p50/p90; accept = completion "
-                    "tokens / target forwards after the prefill (token-weighted); acc/draft = draft tokens "
-                    "accepted/proposed; lossless = outputs equal to the baseline's (*: batched, information only)",
-                    wrap=0)
-        prefix = ENGINE_NAMES[engine] + ": "
-        for line in lines:
-            if line.startswith(prefix) or not any(line.startswith(n + ": ") for n in ENGINE_NAMES.values()):
-                console.print(line, highlight=False, soft_wrap=True)
-
-
-def _serving_lines_from_rows(rows: list[dict]) -> list[str]:
-    """The verdict lines of each engine's rows (read back from the store), named by engine as the flow names them."""
-    from serving.bench.engines import ENGINE_NAMES, agreement_line, verdict_lines
-
-    out = []
-    for engine in dict.fromkeys(r.get("engine", "llamacpp") for r in rows):
-        mine = [r for r in rows if r.get("engine", "llamacpp") == engine]
-        agree = [r["offline_agreement"] for r in mine if r.get("offline_agreement")]
-        out += [f"{ENGINE_NAMES[engine]}: {line}"
-                for line in verdict_lines(mine) + [agreement_line(a, a["k"]) for a in agree]]
-    return out
-
-
-def _print_dicts(rows: list[dict], title: str) -> None:
-    """A flow's summary table (the same rows its Prefect table artifact holds)."""
-    _print_rows(list(rows[0]), [tuple(r.values()) for r in rows], OutputFormat.table, title)
-
-
 def _run_flow(fn, *args, **kwargs):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -168,7 +55,7 @@ def _run_flow(fn, *args, **kwargs):
 
     from flows.benchmark import ContractFailed
     from flows.pipeline import PipelineStuck
-    from flows.regenerate import StageBusy
+    from storage.errors import StageBusy
     from serving.client import EndpointsDown, RequestFailed
     from serving.llamacpp.server import ServerDied, ServerStartError
     from tasks.discover.decontaminate import EvalSetError
@@ -197,7 +84,7 @@ def discover(config: Path = ConfigOpt, workspace: Optional[str] = WorkspaceOpt) 
     from flows.discover import discover as discover_flow, outcome_table
 
     summary = _run_flow(discover_flow, _section(_config(config, workspace), "discover", config))
-    _print_dicts(outcome_table(summary), f"discover run {summary.run_id}")
+    print_dicts(outcome_table(summary), f"discover run {summary.run_id}")
     for line in summary.truncated_sources:
         console.print(f"[yellow]stopped early[/yellow] {line}", highlight=False)
     if summary.top_quarantine_reasons:
@@ -234,14 +121,16 @@ def regenerate(
             raise typer.Exit(2)
         update["selection"] = selection
     summary = _run_flow(regenerate_flow, section.model_copy(update=update))
-    _print_dicts(summary_table(summary), f"regenerate run {summary.run_id}")
+    print_dicts(summary_table(summary), f"regenerate run {summary.run_id}")
     console.print(f"generations in {summary.generations_dir}", highlight=False)
 
 
 def _print_baseline(cfg, config_path: Path) -> None:
     import shlex
 
-    from serving.launch import BaselineSpec, sglang_baseline_command, validate_baseline_command, vllm_baseline_command
+    from serving.launch import BaselineSpec, validate_baseline_command
+    from serving.sglang.server import sglang_baseline_command
+    from serving.vllm.server import vllm_baseline_command
 
     launch = cfg.baseline_launch
     if launch is None:
@@ -278,7 +167,7 @@ def extract(
     section = _section(_config(config, workspace), "extract", config)
     update = {k: v for k, v in (("limit", limit), ("disk_budget_bytes", disk_budget_bytes)) if v is not None}
     summary = _run_flow(extract_flow, section.model_copy(update=update))
-    _print_dicts(extract_table(summary), f"extract run {summary.run_id}")
+    print_dicts(extract_table(summary), f"extract run {summary.run_id}")
     if summary.first_mismatch:
         console.print(f"[yellow]server ids differed[/yellow] in {summary.ids_mismatched} of {summary.ids_checked}; "
                       f"first: {summary.first_mismatch}", highlight=False)
@@ -303,7 +192,8 @@ def train(
     """
     import os
 
-    from flows.train import dist_from_env, run_training, train as train_flow
+    from flows.train import train as train_flow
+    from tasks.train.loop import dist_from_env, run_training
 
     section = _section(_config(config, workspace), "train", config)
     update = {k: v for k, v in (("run_name", run_name), ("max_steps", max_steps)) if v is not None}
@@ -319,7 +209,7 @@ def train(
     summary = _run_flow(train_flow, section)
     rows = [{"what": k, "value": json.dumps(v) if isinstance(v, (list, dict)) else v}
             for k, v in summary.__dict__.items()]
-    _print_dicts(rows, f"train run {summary.run_name}")
+    print_dicts(rows, f"train run {summary.run_name}")
     if summary.stopped_by == "no_data":
         console.print("[yellow]no shards to train on[/yellow]: run `eagle3 extract` for the next round", highlight=False)
 
@@ -334,8 +224,8 @@ def probe(config: Path = ConfigOpt, workspace: Optional[str] = WorkspaceOpt) -> 
     if summary.skipped:
         console.print(f"[yellow]{summary.skipped}[/yellow]", highlight=False)
     if summary.rows:
-        _print_dicts([{"cluster": r["cluster"], "prompts": r["prompts"], "acceptance": r["acceptance"], "k": r["k"]}
-                      for r in summary.rows], f"probe {summary.probe_id} of {summary.export_dir}")
+        print_dicts([{"cluster": r["cluster"], "prompts": r["prompts"], "acceptance": r["acceptance"], "k": r["k"]}
+                     for r in summary.rows], f"probe {summary.probe_id} of {summary.export_dir}")
 
 
 @app.command()
@@ -398,7 +288,7 @@ def doctor(
     if sweep is not None:
         import shlex
 
-        from serving.launch import speculative_sweep
+        from serving.sglang.server import speculative_sweep
 
         for point in speculative_sweep(sweep, draft_dir, tp=tp):
             # every command is built from the checkpoint (EAGLE3) and passes the doctor's launch check
@@ -426,21 +316,21 @@ def bench(
         section = section.model_copy(update={"checkpoint": checkpoint})
     summary = _run_flow(benchmark_flow, section)
     if format is not OutputFormat.table:
-        _print_rows(list(summary.rows[0]), [tuple(r.values()) for r in summary.rows], format)
+        print_rows(list(summary.rows[0]), [tuple(r.values()) for r in summary.rows], format)
         return
     console.print(summary.doctor, highlight=False, soft_wrap=True)
-    _print_rows(*acceptance_view(summary.rows), OutputFormat.table,
-                f"offline acceptance, chain k={summary.k}: accept = completion tokens / verify rounds "
-                f"(token-weighted); lossless: {summary.lossless_checked} outputs equal the target's greedy output",
-                wrap=-1)
+    print_rows(*acceptance_view(summary.rows), OutputFormat.table,
+               f"offline acceptance, chain k={summary.k}: accept = completion tokens / verify rounds "
+               f"(token-weighted); lossless: {summary.lossless_checked} outputs equal the target's greedy output",
+               wrap=-1)
     if summary.online_rows:
-        _print_rows(list(summary.online_rows[0]), [tuple(r.values()) for r in summary.online_rows], OutputFormat.table,
-                    "online")
+        print_rows(list(summary.online_rows[0]), [tuple(r.values()) for r in summary.online_rows], OutputFormat.table,
+                   "online")
     if summary.break_even:
-        _print_rows(list(summary.break_even[0]), [tuple(r.values()) for r in summary.break_even], OutputFormat.table,
-                    "break-even")
+        print_rows(list(summary.break_even[0]), [tuple(r.values()) for r in summary.break_even], OutputFormat.table,
+                   "break-even")
     if summary.serving_rows:
-        _print_serving(summary.serving_rows, summary.serving_lines)
+        print_serving(summary.serving_rows, summary.serving_lines)
         console.print(f"plot: {summary.serving_png}", highlight=False)
     console.print(f"plot: {summary.plot_png}", highlight=False)
 
@@ -461,20 +351,20 @@ def run(
     if max_rounds is not None:
         cfg = cfg.model_copy(update={"max_rounds": max_rounds})
     summary = _run_flow(pipeline, cfg)
-    _print_dicts([{"stage": s.stage, "state": s.state, "seconds": s.seconds, "what it did": s.detail}
-                  for s in summary.stages], f"pipeline run {summary.run_id} ({summary.seconds:,.0f} s)")
-    _print_dicts(report_rows(summary.report), "what the pipeline has produced (all runs)")
+    print_dicts([{"stage": s.stage, "state": s.state, "seconds": s.seconds, "what it did": s.detail}
+                 for s in summary.stages], f"pipeline run {summary.run_id} ({summary.seconds:,.0f} s)")
+    print_dicts(report_rows(summary.report), "what the pipeline has produced (all runs)")
     serving = summary.report.get("serving") or []
     if serving:
-        _print_serving(serving, _serving_lines_from_rows(serving))
+        print_serving(serving, serving_lines_from_rows(serving))
     console.print(f"lineage: {summary.lineage_db}", highlight=False)
     store = LineageStore(summary.lineage_db)
     console.print("query it, e.g.:", highlight=False)
     for title, query in EXAMPLE_QUERIES:
         console.print(f"\n[bold]{title}[/bold]\n  eagle3 sql -w {summary.workspace} \"{query}\"", highlight=False,
                       soft_wrap=True)
-        cols, rows = store.query_readonly(query)
-        _print_rows(cols, rows[:8], OutputFormat.table)
+        cols, rows = store.reports.query_readonly(query)
+        print_rows(cols, rows[:8], OutputFormat.table)
 
 
 @app.command()
@@ -555,9 +445,9 @@ def lineage(
     full: bool = typer.Option(False, "--full", help="Every sample (default: counts per round and source, then 20)."),
 ) -> None:
     """Trace a checkpoint to the rounds, shards, samples, generations, prompts and source records it learned from."""
-    ckpt, cols, rows = _read(_store(config, workspace).checkpoint_lineage, checkpoint)
+    ckpt, cols, rows = _read(_store(config, workspace).reports.checkpoint_lineage, checkpoint)
     if format is not OutputFormat.table or full:
-        _print_rows(cols, rows, format)
+        print_rows(cols, rows, format)
         return
     console.print(f"checkpoint {ckpt['checkpoint']} ({ckpt['format']}) at {ckpt['path']}: run {ckpt['run_name']}, "
                   f"step {ckpt['step']}, {ckpt['rounds']} round(s), target {ckpt['target']}@{ckpt['target_revision']}, "
@@ -565,9 +455,9 @@ def lineage(
     by: dict[tuple, set] = {}
     for r in rows:
         by.setdefault((r[0], r[5]), set()).add(r[2])
-    _print_rows(["round", "source", "samples"], [(k[0], k[1], len(v)) for k, v in sorted(by.items(), key=str)],
-                OutputFormat.table, f"{len({r[2] for r in rows})} samples in {len({r[1] for r in rows})} shards")
-    _print_rows(cols, rows[:20], OutputFormat.table, "first 20 (all: --full or --format csv)")
+    print_rows(["round", "source", "samples"], [(k[0], k[1], len(v)) for k, v in sorted(by.items(), key=str)],
+               OutputFormat.table, f"{len({r[2] for r in rows})} samples in {len({r[1] for r in rows})} shards")
+    print_rows(cols, rows[:20], OutputFormat.table, "first 20 (all: --full or --format csv)")
 
 
 @app.command()
@@ -579,8 +469,8 @@ def sql(
     format: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f"),
 ) -> None:
     """Run read-only SQL on the lineage store; write statements are refused."""
-    cols, rows = _read(_store(config, workspace).query_readonly, query)
-    _print_rows(cols, rows, format)
+    cols, rows = _read(_store(config, workspace).reports.query_readonly, query)
+    print_rows(cols, rows, format)
 
 
 @app.command()
@@ -591,24 +481,13 @@ def status(
 ) -> None:
     """Per-stage progress: done, pending, failed, tokens, rate, ETA; then the acceptance curve's latest point."""
     store = _store(config, workspace)
-    cols, rows = _read(store.progress)
-    _print_rows(cols, rows, format, title="progress")
+    cols, rows = _read(store.reports.progress)
+    print_rows(cols, rows, format, title="progress")
     if format is OutputFormat.table:  # csv/json stay one parsable table; the curve is `SELECT * FROM acceptance_curve`
-        latest = _read(store.acceptance_latest)
+        latest = _read(store.benchmarks.acceptance_latest)
         if latest:
             title, cols, rows = curve_point_view(latest)
-            _print_rows(cols, rows, format, title=title)
-
-
-def curve_point_view(rows: list[dict]) -> tuple[str, list[str], list[tuple]]:
-    """The latest point of the acceptance curve: what the draft was trained on (the title), then each
-    drafter's acceptance length there (prompt lookup and the final-state-only draft are the references)."""
-    p = next((r for r in rows if r["drafter"] == "eagle3"), rows[0])
-    n = lambda v: "-" if v is None else f"{v:,}"  # noqa: E731
-    title = (f"acceptance curve, latest point: {p['checkpoint']} ({n(p['training_tokens'])} training tokens, "
-             f"{n(p['training_conversations'])} conversations), {p['domain']}, {p['config_label']}")
-    out = [(r["drafter"], "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}") for r in rows]
-    return title, ["drafter", "acceptance length"], out
+            print_rows(cols, rows, format, title=title)
 
 
 if __name__ == "__main__":

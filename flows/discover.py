@@ -107,9 +107,9 @@ def _discover(config: DiscoverConfig, store: LineageStore, summary: DiscoverSumm
     # Domain and cluster of every stored prompt (acceptance-aware selection reads them); after the
     # batches so deduping never waits on it, and a rerun tags what a crash left untagged.
     summary.tagged = tag_task(store)
-    summary.outcomes = store.outcome_counts(summary.run_id)
-    summary.top_quarantine_reasons = store.quarantine_reasons(summary.run_id)
-    summary.stored_prompts = store.export_prompts(Path(summary.dataset))
+    summary.outcomes = store.discover.outcome_counts(summary.run_id)
+    summary.top_quarantine_reasons = store.discover.quarantine_reasons(summary.run_id)
+    summary.stored_prompts = store.discover.export_prompts(Path(summary.dataset))
     if not summary.reconciles:
         raise RuntimeError(f"outcome counts do not reconcile: {summary.records_in} in, {summary.outcomes}")
     create_table_artifact(
@@ -129,7 +129,7 @@ def _read_new_records(src: SourceConfig, quota: int | None, config: DiscoverConf
                       summary: DiscoverSummary, logger) -> list[RawRecord]:
     """One source's sample, less the records lineage already has; its reads recorded, the summary counted."""
     records, reports = _read(src)
-    store.record_source_reads(summary.run_id, [{
+    store.discover.record_source_reads(summary.run_id, [{
         "source": r.source, "location": r.location, "records": r.records, "unreadable": r.unreadable,
         "complete": r.complete, "stop_reason": r.stop_reason, "notes": "; ".join(r.notes) or None,
     } for r in reports])
@@ -138,7 +138,7 @@ def _read_new_records(src: SourceConfig, quota: int | None, config: DiscoverConf
             summary.truncated_sources.append(f"{r.source}: {r.stop_reason}")
             logger.warning("source %s stopped early: %s", r.source, r.stop_reason)
     sampled = sample_records(records, quota, config.seed)
-    seen = store.seen_record_keys(src.name)
+    seen = store.discover.seen_record_keys(src.name)
     fresh = [r for r in sampled if r.record_key not in seen]
     summary.records_read += len(records)
     summary.not_sampled += len(records) - len(sampled)

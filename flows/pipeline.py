@@ -2,9 +2,9 @@
 
 Orchestration only: discover -> regenerate -> rounds of (extract until the disk budget is full ->
 train, which deletes the shards it consumed; with `benchmark.every_round`, benchmark that round's
-export) -> probe (with `regenerate.selection: acceptance`: the latest export's acceptance per
-cluster, where the next run's regenerate draws its batch) -> benchmark (the serving-contract
-doctor first). Each
+export; the round loop and its stop rule are tasks/rounds.py's) -> probe (with
+`regenerate.selection: acceptance`: the latest export's acceptance per cluster, where the next
+run's regenerate draws its batch) -> benchmark (the serving-contract doctor first). Each
 stage is its own Prefect subflow and its own `runs` row, and skips what lineage records as done, so
 running the same pipeline again continues a multi-day run where it stopped; a stage that fails
 leaves every other stage's work committed. Prefect global concurrency limits share the machine:
@@ -26,18 +26,17 @@ from flows.benchmark import benchmark as benchmark_flow
 from flows.discover import discover as discover_flow
 from flows.extract import extract as extract_flow
 from flows.probe import probe as probe_flow
-from flows.regenerate import regenerate as regenerate_flow, stage_lock
+from flows.regenerate import regenerate as regenerate_flow
 from flows.runinfo import lineage_run
 from flows.train import train as train_flow
 from storage.lineage import LineageError, LineageStore
-from tasks.config import PipelineConfig, RegenerateConfig, ResourcesConfig, config_hash
+from storage.locks import stage_lock
+from tasks.config import PipelineConfig, RegenerateConfig, ResourcesConfig
+from tasks.ids import config_hash
+from tasks.rounds import PipelineStuck, Round, UntilExtractionDone, run_rounds  # noqa: F401 (PipelineStuck: the CLI's)
 
 GPU_LIMIT = "eagle3-gpus"
 SERVER_LIMIT = "eagle3-server-slots"
-
-
-class PipelineStuck(RuntimeError):
-    """The rounds cannot go on: the disk budget is full and nothing in it can be trained on."""
 
 
 @dataclass
@@ -149,7 +148,7 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
             summary = PipelineSummary(run_id=run.run_id, workspace=str(ws), lineage_db=str(store.path))
             _stages(config, store, sizes, summary, logger)
             summary.seconds = time.monotonic() - started
-            summary.report = store.pipeline_report(config.train.run_name if config.train else None)
+            summary.report = store.reports.pipeline(config.train.run_name if config.train else None)
             run.summary = {"rounds": summary.rounds, "stages": [asdict(s) for s in summary.stages]}
     create_table_artifact(key="pipeline-stages", table=[asdict(s) for s in summary.stages],
                           description=f"pipeline run {summary.run_id}: what each stage did")
@@ -210,10 +209,10 @@ def _benchmark_latest(config: PipelineConfig, store: LineageStore, sizes: dict[s
                       name: str) -> None:
     """Benchmark the latest export (or the configured checkpoint) unless this config already measured it."""
     bench = config.bench_section()
-    latest = store.checkpoint_row(bench.checkpoint) if bench.checkpoint else store.checkpoint_row(fmt="sglang")
+    latest = store.checkpoints.find(bench.checkpoint) if bench.checkpoint else store.checkpoints.find(fmt="sglang")
     if latest is None:
         raise LineageError("no exported draft to benchmark: the train stage exported none")
-    already = store.benchmarked(latest["checkpoint"], config_hash(bench))
+    already = store.benchmarks.completed(latest["checkpoint"], config_hash(bench))
     if already:
         skipped(name, f"checkpoint {latest['checkpoint']} already benchmarked ({already})")
     else:
@@ -223,32 +222,32 @@ def _benchmark_latest(config: PipelineConfig, store: LineageStore, sizes: dict[s
 
 def _rounds(config: PipelineConfig, sizes: dict[str, int], summary: PipelineSummary, stage, logger,
             store: LineageStore | None = None, skipped=None) -> None:
-    """Extract until the budget is full, train (which frees the shards), again until nothing is left.
+    """The extract -> train rounds (tasks/rounds.py), each stage holding a GPU slot.
 
     With `benchmark.every_round`, each round's new export is benchmarked right after it (one point of
     the acceptance curve per round).
     """
     assert config.extract is not None and config.train is not None
     res = config.resources
-    while True:
-        summary.rounds += 1
+
+    def extract(number: int, limit: int | None):
+        summary.rounds = number
         with held(GPU_LIMIT, 1, sizes, res):
-            ex = stage(f"extract (round {summary.rounds})", extract_flow, config.extract)
+            return stage(f"extract (round {number})", extract_flow, config.extract)
+
+    def train(number: int):
         with held(GPU_LIMIT, 1, sizes, res):
-            tr = stage(f"train (round {summary.rounds})", train_flow, config.train)
+            return stage(f"train (round {number})", train_flow, config.train)
+
+    def benchmark(r: Round) -> None:
         bench = config.bench_section()
-        if store is not None and bench.every_round and not bench.checkpoint and tr.exports:
-            _benchmark_latest(config, store, sizes, stage, skipped, f"benchmark (round {summary.rounds})")
-        if ex.stopped_by != "budget" or tr.stopped_by == "max_steps":
-            return  # every pending sample is extracted and trained on (or a step/sample limit was reached)
-        if ex.shards_written == 0 and tr.shards_deleted == 0:
-            raise PipelineStuck(
-                f"the disk budget ({config.extract.disk_budget_bytes} B) is full of shards this training run "
-                f"({config.train.run_name}) cannot consume, and the next shard does not fit: raise "
-                "extract.disk_budget_bytes or train the other run that owns them")
-        if config.max_rounds is not None and summary.rounds >= config.max_rounds:
-            logger.info("stopping after %d rounds (max_rounds); the next run continues", summary.rounds)
-            return
+        if store is not None and bench.every_round and not bench.checkpoint and r.trained.exports:
+            _benchmark_latest(config, store, sizes, stage, skipped, f"benchmark (round {r.number})")
+
+    done = run_rounds(extract, train, UntilExtractionDone(config.extract.disk_budget_bytes, config.train.run_name),
+                      max_rounds=config.max_rounds, after_round=benchmark)
+    if done.stopped_by == "max_rounds":
+        logger.info("stopping after %d rounds (max_rounds); the next run continues", done.rounds)
 
 
 # What a person checks first in each stage's summary, in this order.

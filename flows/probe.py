@@ -44,17 +44,17 @@ def _probe(config: ProbeConfig, store: LineageStore, run_id: str, logger) -> Pro
     from tasks.evaluate.probe import measure_probe, probe_sets
     from tasks.model.target import load_configured_target
 
-    row = store.checkpoint_row(fmt="sglang")
+    row = store.checkpoints.find(fmt="sglang")
     if row is None:
         raise LineageError("no exported draft to probe: run `eagle3 train` first")
     summary = ProbeSummary(export_dir=row["path"])
-    already = store.probed(row["path"], TAGGER)
+    already = store.selection.probed(row["path"], TAGGER)
     if already:
         summary.skipped = f"export {row['path']} already probed ({already})"
-        summary.probe_id, summary.rows = already, store.latest_probe(TAGGER, already)  # that probe's, not a newer one's
+        summary.probe_id, summary.rows = already, store.selection.latest_probe(TAGGER, already)  # that probe's, not a newer one's
         logger.info(summary.skipped)
         return summary
-    sets = probe_sets(store.heldout_tagged(TAGGER), config.skip_first, config.per_cluster)
+    sets = probe_sets(store.selection.heldout_tagged(TAGGER), config.skip_first, config.per_cluster)
     if not sets:
         summary.skipped = (f"no held-out prompt past the benchmark's first {config.skip_first}: hold out more "
                            "(discover.heldout) to probe")
@@ -67,7 +67,7 @@ def _probe(config: ProbeConfig, store: LineageStore, run_id: str, logger) -> Pro
     summary.rows = measure_probe(model, tokenizer, identity.chat_template, draft, sets, config.draft_tokens,
                                  config.max_new_tokens, row["path"], row["checkpoint"], run_id)
     summary.probe_id = summary.rows[0]["probe_id"]
-    store.write_probe(summary.rows)
+    store.selection.write_probe(summary.rows)
     create_table_artifact(key="probe-acceptance", table=[
         {"cluster": r["cluster"], "prompts": r["prompts"], "acceptance": r["acceptance"], "k": r["k"]}
         for r in summary.rows], description=f"probe {summary.probe_id} of {row['path']}: acceptance per cluster")

@@ -12,10 +12,8 @@ persistence in storage/.
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import os
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from serving.client import Endpoint, EndpointsDown, RetryPolicy, ServerPool
 from serving.llamacpp.server import ServerDied
 from storage.datasets import remove_unregistered
 from storage.lineage import LineageStore
+from storage.locks import stage_lock
 from tasks.config import RegenerateConfig
 from tasks.regenerate.answers import GenerationSpec, GenerationWriter, import_finished_generations, regenerate_all
 from tasks.regenerate.selection import choose_batch, selection_table
@@ -53,25 +52,6 @@ class RegenerateSummary:
     with_token_ids: int = 0
     seconds: float = 0.0
     endpoints: list[str] = field(default_factory=list)
-
-
-class StageBusy(RuntimeError):
-    pass
-
-
-@contextmanager
-def stage_lock(workspace: Path, stage: str):
-    """One run of a stage per workspace: a second one would re-queue the first one's work."""
-    workspace.mkdir(parents=True, exist_ok=True)
-    fd = os.open(workspace / f".{stage}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise StageBusy(f"another {stage} run holds {workspace}; wait for it or stop it") from None
-        yield
-    finally:
-        os.close(fd)
 
 
 def _import_all(config: RegenerateConfig, writer: GenerationWriter, logger) -> int:
@@ -116,7 +96,7 @@ def _regenerate(config: RegenerateConfig, store: LineageStore, spec: GenerationS
     gen_dir = Path(summary.generations_dir)
     # Files written but never committed belong to generations that are still pending: remove
     # them, and those prompts are simply generated again (in-flight work re-queued).
-    removed = remove_unregistered(gen_dir, store.generation_files(spec.params_key))
+    removed = remove_unregistered(gen_dir, store.generations.files(spec.params_key))
     summary.requeued_files = len(removed)
     if removed:
         logger.warning("removed %d uncommitted generation file(s) left by a crash; their prompts are re-queued", len(removed))
@@ -127,7 +107,7 @@ def _regenerate(config: RegenerateConfig, store: LineageStore, spec: GenerationS
     # latest probe found the draft accepting least (tasks/regenerate/selection.py).
     chosen = choose_task(store, spec.params_key, config.retry_failed, config.limit, config.selection,
                          config.selection_strength)
-    pending = store.prompt_messages([s.prompt_id for s in chosen])
+    pending = store.discover.prompt_messages([s.prompt_id for s in chosen])
     summary.pending_at_start = len(pending)
     if not pending:
         logger.info("nothing to generate: every prompt has a generation or a recorded failure")
@@ -140,7 +120,7 @@ def _regenerate(config: RegenerateConfig, store: LineageStore, spec: GenerationS
         _finish(store, summary)
         return
     # Why each prompt is sent, stored before it is: lineage answers "why this prompt?" for every generation.
-    store.write_selections(summary.run_id, spec.params_key, [s.row(config.selection) for s in chosen])
+    store.selection.write_selections(summary.run_id, spec.params_key, [s.row(config.selection) for s in chosen])
     by_cluster = selection_table(chosen)
     create_table_artifact(key="regenerate-selection", table=by_cluster,
                           description=f"regenerate run {summary.run_id}: {config.selection} selection, by cluster")
@@ -199,7 +179,7 @@ def _regenerate(config: RegenerateConfig, store: LineageStore, spec: GenerationS
 
 
 def _finish(store: LineageStore, summary: RegenerateSummary) -> None:
-    counts = store.generation_summary(summary.run_id)
+    counts = store.generations.summary(summary.run_id)
     summary.completion_tokens = counts["completion_tokens"]
     summary.flagged_empty = counts["flagged_empty"]
     summary.flagged_length = counts["flagged_length"]

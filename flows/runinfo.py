@@ -45,14 +45,14 @@ class LineageRun:
 def lineage_run(store, flow: str, config) -> Iterator[LineageRun]:
     """A `runs` row for this flow run (parameters, config hash, Prefect id, git sha): FAILED with the
     error if the block raises, else COMPLETED with `run.summary`."""
-    from tasks.config import config_hash
+    from tasks.ids import config_hash
 
     meta = run_metadata()
-    run = LineageRun(store.begin_run(flow, config.model_dump(mode="json"), config_hash(config), meta["flow_run_id"],
+    run = LineageRun(store.runs.begin(flow, config.model_dump(mode="json"), config_hash(config), meta["flow_run_id"],
                                      meta["git_sha"]))
     try:
         yield run
     except BaseException as e:
-        store.finish_run(run.run_id, "FAILED", {"error": f"{type(e).__name__}: {e}"})
+        store.runs.finish(run.run_id, "FAILED", {"error": f"{type(e).__name__}: {e}"})
         raise
-    store.finish_run(run.run_id, "COMPLETED", run.summary or {})
+    store.runs.finish(run.run_id, "COMPLETED", run.summary or {})

@@ -1,133 +1,28 @@
-"""The `train` flow: the EAGLE-3 draft trained on each round of extracted shards (or online), resumable.
+"""The `train` flow: the EAGLE-3 draft trained on the next rounds of extracted shards (or online).
 
-Orchestration only: one training per workspace at a time; the run's identity and resume from its
-last checkpoint; the round (the written shards, or every generation in online mode), its epochs
-and optimizer steps; shards marked consumed at their first read and deleted after the round;
-metrics to the lineage store; checkpoints; export in the SGLang, speculators and llama.cpp GGUF
-formats (`export_formats`) at the end of each round; progress bar, Prefect progress, table and
-markdown (PNG curves) artifacts.
-Under torchrun every process runs `run_training`; rank 0 alone writes lineage, checkpoints and
-artifacts. The work is in tasks/ (draft_model, train, export, export_gguf), persistence in storage/.
+Orchestration only: one training per workspace at a time, the run's lineage row, progress, table
+and markdown (PNG curves) artifacts. The training itself (resume, rounds, epochs, checkpoints,
+exports, freeing consumed shards) is `run_training` in tasks/train/loop.py: under torchrun rank 0
+runs this flow and the other ranks call `run_training` directly (flows/cli.py).
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import logging
-import shutil
-import os
-import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
-import torch
 from prefect import flow, get_run_logger
 from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
                                update_progress_artifact)
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from flows.regenerate import stage_lock
 from flows.runinfo import lineage_run
-from storage.datasets import file_sha256, read_generation_rows
-from storage.lineage import LineageError, LineageStore
-from storage.shards import ShardStore
-from tasks.extract.chat import Sample, tokenise_rows
+from storage.lineage import LineageStore
+from storage.locks import stage_lock
 from tasks.config import TrainConfig
-from tasks.model.draft import (DraftConfig, Eagle3Draft, init_head_from_target, load_target_embeddings,
-                               target_final_norm_weight, target_head_weight)
-from tasks.train.ttt import collate
-from tasks.export.checkpoint import export_sglang, export_speculators
-from serving.llamacpp.export import GGUF_FILE, export_gguf, llamacpp_converter, target_folder_for
-from tasks.extract.hf_backend import Extracted, ExtractSettings, build_extractor
-from tasks.extract.plan import delete_consumed_shards, read_shard
-from tasks.model.target import load_configured_target
-from tasks.train.steps import (DataPosition, Item, Schedule, TrainState, epoch_batches, list_checkpoints, load_checkpoint,
-                         make_optimizer, micro_batch_index, save_checkpoint, step_groups, train_step, weights_sha256)
-from tasks.extract.vocab import load_vocab
-
-ONLINE = "online"
-
-
-@dataclass
-class TrainSummary:
-    run_name: str
-    run_id: str = ""
-    mode: str = "offline"
-    resumed_from_step: int | None = None
-    steps_this_run: int = 0
-    step: int = 0
-    rounds_done: int = 0
-    tokens: int = 0
-    last_loss: float | None = None
-    last_accuracy: list[float] = field(default_factory=list)
-    last_conditional_accuracy: list[float] = field(default_factory=list)
-    skipped_micro_batches: int = 0  # online: micro-batches whose samples were all quarantined (not trained)
-    quarantined_samples: int = 0    # online: samples the extractor quarantined (left out of their micro-batch)
-    shards_trained: int = 0
-    shards_deleted: int = 0
-    stopped_by: str = "done"  # done | no_data | max_steps
-    checkpoint: str | None = None
-    exports: dict[str, str] = field(default_factory=dict)
-    export_seconds: dict[str, float] = field(default_factory=dict)
-    curves_png: str | None = None
-    seconds: float = 0.0
-    world_size: int = 1
-
-
-@dataclass
-class Dist:
-    rank: int = 0
-    world_size: int = 1
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def all_reduce(self, t: torch.Tensor) -> None:
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            torch.distributed.barrier()
-
-
-def dist_from_env() -> Dist:
-    """torchrun's environment, process group initialised (gloo on CPU, nccl on CUDA); one process otherwise."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return Dist()
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return Dist(torch.distributed.get_rank(), world)
-
-
-class RoundReader:
-    """Records of a micro-batch's items: from the round's shards (checksums verified, one shard held
-    at a time), or computed on the fly by the extractor (online mode)."""
-
-    def __init__(self, shards: ShardStore | None, shard_rows: dict[str, dict], online: list[Sample] | None = None,
-                 extractor=None, on_first_read=None) -> None:
-        self.shards, self.rows, self.online, self.extractor = shards, shard_rows, online, extractor
-        self.on_first_read = on_first_read
-        self.quarantined = 0  # online: samples the extractor refused (their micro-batch trains on the rest)
-        self._name: str | None = None
-        self._records: list[Extracted] = []
-
-    def records(self, items: list[Item], epoch: int) -> list[Extracted]:
-        if items[0].source == ONLINE:
-            samples = [(self.online[it.slot].input_ids, self.online[it.slot].loss_mask) for it in items]
-            results = self.extractor.extract(samples)
-            kept = [r for r in results if isinstance(r, Extracted)]
-            self.quarantined += len(results) - len(kept)
-            return kept
-        name = items[0].source
-        if name != self._name:
-            self._records, _, _ = read_shard(self.shards, name, self.rows[name]["sha256"])
-            self._name = name
-            if self.on_first_read is not None:
-                self.on_first_read(name, epoch)
-        return [self._records[it.slot] for it in items]
+from tasks.train.loop import TrainSummary, dist_from_env, run_training
 
 
 @flow(name="train", log_prints=True)
@@ -138,253 +33,17 @@ def train(config: TrainConfig) -> TrainSummary:
     with stage_lock(ws, "train"):
         store = LineageStore(ws / "lineage.duckdb")
         with lineage_run(store, "train", config) as run:
-            summary = run_training(config, store, run.run_id, dist_from_env(), logger)
+            dist = dist_from_env()
+            summary = run_training(config, store, run.run_id, dist, logger, _progress_artifact() if dist.main else None)
             run.summary = asdict(summary)
     _artifacts(summary, store)
     return summary
 
 
-def run_training(config: TrainConfig, store: LineageStore, run_id: str, dist: Dist, logger) -> TrainSummary:
-    started = time.monotonic()
-    ws = Path(config.workspace)
-    summary = TrainSummary(run_name=config.run_name, run_id=run_id, mode=config.mode, world_size=dist.world_size)
-    found = store.extract_settings(config.extract_key)
-    if found is None:
-        raise LineageError("no extraction in this workspace" + (f" with key {config.extract_key}" if config.extract_key else "")
-                           + ": run `eagle3 extract` first (it builds the draft vocab the draft is trained for)")
-    ekey, settings = found["extract_key"], found["settings"]
-    vocab_path = ws / found["vocab_file"]
-    if file_sha256(vocab_path) != found["vocab_sha256"]:
-        raise LineageError(f"draft vocab {vocab_path} does not match its recorded sha256")
-    vocab = load_vocab(vocab_path)
-    t = config.target
-    model, tokenizer, identity = load_configured_target(t.gguf, t.model_path, t.revision, t.trust_remote_code, t.dtype,
-                                                        t.device)
-    if (identity.name, identity.revision) != (settings["target"], settings["target_revision"]):
-        raise LineageError(f"extraction {ekey} was made with target {settings['target']}@{settings['target_revision']}, "
-                           f"but train.target is {identity.name}@{identity.revision}")
-    device = model.device
-    aux_ids = settings["aux_layer_ids"]
-    dcfg = DraftConfig.from_target_config(model.config, vocab.draft_vocab_size, aux_ids)
-    torch.manual_seed(config.seed)
-    draft = Eagle3Draft(dcfg).to(device)
-    load_target_embeddings(draft, model)
-    draft.set_vocab(vocab.d2t, vocab.t2d)
-    target_head = target_head_weight(model)
-    if config.init == "target_head":  # a resumed run's checkpoint replaces these below
-        init_head_from_target(draft, target_head, target_final_norm_weight(model))
-    optimizer = make_optimizer(draft, config.lr, config.weight_decay)
-    schedule = Schedule(config.lr, config.schedule, config.warmup_steps, config.total_steps, config.min_lr_ratio)
-    # What must not change under a resumed run (the split of micro-batches over processes may).
-    run_identity = {"run_name": config.run_name, "mode": config.mode, "extract_key": ekey, "vocab_id": found["vocab_id"],
-                    "draft_config": dcfg.to_dict(), "seed": config.seed, "batch_tokens": config.batch_tokens,
-                    "micro_batches_per_step": dist.world_size * config.grad_accum, "ttt_steps": config.ttt_steps,
-                    "step_decay": config.step_decay}
-    if dist.main:
-        stored = store.register_train_run(run_id, {
-            "run_name": config.run_name, "mode": config.mode, "extract_key": ekey, "vocab_id": found["vocab_id"],
-            "target": identity.name, "target_revision": identity.revision, "draft_config": dcfg.to_dict(),
-            "train_config": config.model_dump(mode="json")})
-        if stored["extract_key"] != ekey:
-            raise LineageError(f"training run {config.run_name!r} trains on extraction {stored['extract_key']}, not {ekey}; "
-                               "pick another run_name")
-    ckpt_root = ws / "checkpoints" / config.run_name
-    state = TrainState()
-    existing = list_checkpoints(ckpt_root)
-    if existing:
-        state = load_checkpoint(existing[-1], draft, optimizer, run_identity)
-        summary.resumed_from_step = state.step
-        logger.info("resumed %s from %s (step %d)", config.run_name, existing[-1].name, state.step)
-
-    shard_store = ShardStore(ws / "shards", 1 << 62)  # reading only: the budget is extract's concern
-    online_samples: list[Sample] | None = None
-    extractor = None
-    if config.mode == "online":
-        online_samples = _online_samples(store, ws, tokenizer, identity.chat_template, settings)
-        ext_settings = ExtractSettings(aux_layer_ids=aux_ids, teacher=settings["teacher"], topk=settings["topk"],
-                                       storage="bf16")
-        extractor = build_extractor("hf", model, tokenizer, ext_settings, torch.from_numpy(vocab.t2d), config.batch_tokens)
-
-    def checkpoint() -> None:
-        if dist.main:
-            # Metrics first: a kill between the two then leaves rows for steps the resume redoes (and
-            # replaces, keyed by step), never a checkpoint whose steps' rows were lost.
-            store.write_train_metrics(run_id, config.run_name, pending_metrics)
-            pending_metrics.clear()
-            summary.checkpoint = str(save_checkpoint(ckpt_root, draft, optimizer, state, run_identity,
-                                                     config.keep_checkpoints))
-        dist.barrier()
-
-    pending_metrics: list[dict] = []
-    progress_id = create_progress_artifact(0.0, key="train-progress", description="train: steps of the round") if dist.main else None
-    while True:
-        if state.position is None:
-            if config.mode == "online":
-                shards = []  # online: each invocation trains one round over every generation
-            else:
-                rows = store.round_shards(ekey, config.run_name, state.trained_shards)
-                if not rows:
-                    summary.stopped_by = "done" if summary.steps_this_run else "no_data"
-                    break
-                shards = [r["shard"] for r in rows]
-            state.position = DataPosition(round_index=state.rounds_done, shards=shards)
-        pos = state.position
-        if config.mode == "online":
-            items = [Item(ONLINE, i, s.num_tokens) for i, s in enumerate(online_samples or [])]
-            reader = RoundReader(None, {}, online_samples, extractor)
-        else:
-            rows = {r["shard"]: r for r in store.round_shards(ekey, config.run_name, state.trained_shards)}
-            lost = [s for s in pos.shards if s not in rows]
-            if lost:
-                raise LineageError(f"{len(lost)} shard(s) of round {pos.round_index} are gone (e.g. {lost[0]}); "
-                                   "they were deleted before this run finished the round")
-            items = [Item(s, slot, n) for s, slot, n in store.shard_samples(pos.shards)]
-            mark = (lambda name, epoch: store.mark_shards_read(config.run_name, [name], epoch)) if dist.main else None
-            reader = RoundReader(shard_store, rows, on_first_read=mark)
-        if not items:
-            summary.stopped_by = "no_data"
-            state.position = None
-            break
-        stopped = _train_round(config, draft, optimizer, schedule, target_head, reader, items, state, dist, summary,
-                               pending_metrics, checkpoint, progress_id, logger)
-        if stopped:
-            summary.stopped_by = "max_steps"
-            break
-        # the round is complete: record it, checkpoint, export, free its shards
-        state.rounds_done += 1
-        state.trained_shards += pos.shards
-        state.position = None
-        checkpoint()
-        if dist.main:
-            store.write_train_round(run_id, config.run_name, pos.round_index, pos.shards, len(items), config.epochs,
-                                    state.step)
-            _export(config, draft, store, run_id, summary, state, ekey, found["vocab_id"], identity, aux_ids, ckpt_root,
-                    logger)
-            summary.shards_trained += len(pos.shards)
-            if config.delete_consumed and pos.shards:
-                summary.shards_deleted += len(delete_consumed_shards(store, shard_store, pos.shards))
-        dist.barrier()
-        if config.mode == "online":
-            break
-    if summary.stopped_by == "max_steps":
-        checkpoint()
-    summary.step, summary.rounds_done, summary.tokens = state.step, state.rounds_done, state.tokens
-    summary.seconds = time.monotonic() - started
-    return summary
-
-
-def _online_samples(store: LineageStore, ws: Path, tokenizer, template: str, settings: dict) -> list[Sample]:
-    """Every generation's sample, tokenised as the extraction's settings say (online mode's round)."""
-    items = store.generations_to_tokenise(settings.get("generation_params_keys"))
-    rows = read_generation_rows(ws / "data" / "generations", [(g, f"{p}/{f}") for g, p, f in items])
-    tokenised = tokenise_rows(tokenizer, rows, settings["max_length"], settings["overflow"], template)
-    return [t.result for t in tokenised if isinstance(t.result, Sample)]
-
-
-def _train_round(config: TrainConfig, draft: Eagle3Draft, optimizer, schedule: Schedule, target_head: torch.Tensor,
-                 reader: RoundReader, items: list[Item], state: TrainState, dist: Dist, summary: TrainSummary,
-                 pending_metrics: list[dict], checkpoint, progress_id, logger=None) -> bool:
-    """The remaining epochs of the current round; True if max_steps stopped it.
-
-    Online, a micro-batch whose samples the extractor all quarantined is skipped (an empty slot),
-    counted in `summary.skipped_micro_batches` and logged; a step left with no micro-batch at all
-    makes no optimizer step on one process (under torchrun it still joins the reductions with zeros).
-    """
-    logger = logger or logging.getLogger(__name__)
-    pos = state.position
-    assert pos is not None
-    accum, world = config.grad_accum, dist.world_size
-    all_reduce = dist.all_reduce if world > 1 else None
-    pad = 0
-    for epoch in range(pos.epoch, config.epochs):
-        batches = epoch_batches(items, config.seed, pos.round_index, epoch, config.batch_tokens)
-        n_steps = step_groups(len(batches), world, accum)
-        with Progress(TextColumn(f"train round {pos.round_index} epoch {epoch}"), BarColumn(), MofNCompleteColumn(),
-                      TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=True,
-                      disable=not dist.main) as bar:
-            job = bar.add_task("train", total=n_steps, completed=pos.step_in_epoch, info="")
-            for s in range(pos.step_in_epoch, n_steps):
-                micro = []
-                quarantined_before = reader.quarantined
-                for a in range(accum):
-                    idx = micro_batch_index(s, a, dist.rank, world, accum)
-                    records = reader.records(batches[idx], epoch) if idx < len(batches) else None
-                    if records is not None and not records:  # online: every sample of it was quarantined
-                        summary.skipped_micro_batches += 1
-                        logger.warning("round %d epoch %d step %d: micro-batch %d skipped, its %d sample(s) were "
-                                       "all quarantined by the extractor", pos.round_index, epoch, s, idx,
-                                       len(batches[idx]))
-                    micro.append(collate(records, pad) if records else None)
-                summary.quarantined_samples += reader.quarantined - quarantined_before
-                if world == 1 and all(b is None for b in micro):
-                    # nothing to train on in this step: no optimizer step (the schedule does not move)
-                    pos.step_in_epoch = s + 1
-                    bar.update(job, completed=s + 1, info="skipped: all quarantined")
-                    continue
-                # An empty slot adds nothing; under torchrun every process still joins the reductions.
-                m = train_step(draft, optimizer, micro, None, ttt_steps=config.ttt_steps, decay=config.step_decay,
-                               target_head=target_head, lr=schedule.lr_at(state.step), grad_clip=config.grad_clip,
-                               precision=config.precision, all_reduce=all_reduce)
-                state.step += 1
-                state.tokens += m.tokens
-                pos.step_in_epoch = s + 1
-                summary.steps_this_run += 1
-                summary.last_loss, summary.last_accuracy = m.loss, m.accuracy
-                summary.last_conditional_accuracy = m.conditional_accuracy
-                if state.step % config.log_every == 0 or s + 1 == n_steps:
-                    pending_metrics.append({"step": state.step, "round": pos.round_index, "epoch": epoch, "lr": m.lr,
-                                            "loss": m.loss, "step_loss": m.step_loss, "accuracy": m.accuracy,
-                                            "conditional_accuracy": m.conditional_accuracy, "tokens": state.tokens,
-                                            "grad_norm": m.grad_norm})
-                bar.update(job, completed=s + 1, info=f"loss {m.loss:.3f} acc0 {m.accuracy[0]:.3f}")
-                if progress_id is not None:
-                    update_progress_artifact(progress_id, progress=100.0 * (epoch * n_steps + s + 1) / (config.epochs * n_steps))
-                if config.max_steps is not None and state.step >= config.max_steps:
-                    return True
-                if state.step % config.checkpoint_every == 0:
-                    checkpoint()
-        pos.epoch, pos.step_in_epoch = epoch + 1, 0
-    return False
-
-
-def _export(config: TrainConfig, draft: Eagle3Draft, store: LineageStore, run_id: str, summary: TrainSummary,
-            state: TrainState, ekey: str, vocab_id: str, identity, aux_ids: list[int], ckpt_root: Path, logger) -> None:
-    """The configured serving formats of the draft at the end of a round, each registered with its lineage.
-
-    Each is a folder `export/<format>-step-N`; gguf's holds one file, converted from the sglang folder.
-    """
-    verifier = config.target.model_path or identity.name
-    folders: dict[str, Path] = {}
-    for fmt in ("sglang", "speculators", "gguf"):
-        if fmt not in config.export_formats:
-            continue
-        folder = ckpt_root / "export" / f"{fmt}-step-{state.step:08d}"
-        if folder.exists():
-            shutil.rmtree(folder)  # the same step exported again after a crash: rewrite it
-        started = time.monotonic()
-        converter = None
-        if fmt == "sglang":
-            export_sglang(draft, folder)
-        elif fmt == "speculators":
-            export_speculators(draft, folder, verifier)
-        else:
-            t = config.target
-            target_folder = target_folder_for(t.gguf, t.model_path, t.revision, t.dtype)
-            export_gguf(folders["sglang"], target_folder, folder / GGUF_FILE, outtype=config.gguf_outtype,
-                        aux_layer_ids=aux_ids)
-            converter = llamacpp_converter()[1]
-        seconds = time.monotonic() - started
-        sha = file_sha256(folder / GGUF_FILE) if fmt == "gguf" else weights_sha256(folder)
-        name = f"{config.run_name}/{fmt}-step-{state.step:08d}"
-        store.register_checkpoint(run_id, {
-            "checkpoint": name, "run_name": config.run_name, "step": state.step, "format": fmt, "path": str(folder),
-            "sha256": sha, "rounds": state.rounds_done, "target": identity.name,
-            "target_revision": identity.revision, "aux_layer_ids": aux_ids, "vocab_id": vocab_id, "extract_key": ekey,
-            "converter": converter})
-        folders[fmt] = folder
-        summary.exports[fmt] = str(folder.resolve())
-        summary.export_seconds[fmt] = round(seconds, 2)
-        logger.info("exported %s (%s) in %.1f s", name, fmt, seconds)
+def _progress_artifact() -> Callable[[float], None]:
+    """The Prefect progress artifact of the run's training steps, as the loop's progress callback."""
+    artifact_id = create_progress_artifact(0.0, key="train-progress", description="train: steps of the round")
+    return lambda percent: update_progress_artifact(artifact_id, progress=percent)
 
 
 def curves_png(metrics: list[dict], path: Path) -> Path:
@@ -417,7 +76,7 @@ def curves_png(metrics: list[dict], path: Path) -> Path:
 
 
 def _artifacts(summary: TrainSummary, store: LineageStore) -> None:
-    metrics = store.train_metrics(summary.run_name)
+    metrics = store.training.metrics(summary.run_name)
     table = [{"what": k, "value": json.dumps(v) if isinstance(v, (list, dict)) else v}
              for k, v in asdict(summary).items()]
     create_table_artifact(key="train-summary", table=table, description=f"train run {summary.run_name}")

@@ -1,10 +1,11 @@
 """One DuckDB file opened for short transactions, safely shared by many processes.
 
 Owns the cross-process file lock, DuckDB's own lock retries, and applying the migrations of
-`storage.schema` on the first write. Promises: writers hold the file only for one short
+`storage.migrations` on the first write. Promises: writers hold the file only for one short
 transaction, under an exclusive lock, and retry while another process holds DuckDB's own lock;
 readers open it read-only under a shared lock; a write is one transaction, there whole or not at
-all after a crash (`kill -9` included). `storage.lineage.LineageStore` builds on it.
+all after a crash (`kill -9` included). Every repository of `storage.lineage.LineageStore` is
+built on one shared `DuckDBFile`.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from pathlib import Path
 from typing import Iterator
 
 import duckdb
+import pyarrow as pa
 
 from storage.errors import LineageError
-from storage.schema import MIGRATIONS
+from storage.migrations import MIGRATIONS
 
 
-def _now() -> datetime:
+def utc_now() -> datetime:
     return datetime.now(timezone.utc)
 
 
@@ -41,6 +43,8 @@ _OPEN_CLOSE = threading.Lock()
 
 @dataclass
 class StoreLocking:
+    """How long to wait for our lock file, and for DuckDB's own lock, before giving up."""
+
     lock_timeout_s: float = 600.0
     open_retry_s: float = 120.0
 
@@ -51,14 +55,13 @@ def _close(con: duckdb.DuckDBPyConnection) -> None:
 
 
 class DuckDBFile:
-    """The file, its lock and its schema; subclasses add the queries."""
+    """The file, its lock and its schema; the repositories hold one and add the queries."""
 
     def __init__(self, path: str | Path, locking: StoreLocking | None = None):
         self.path = Path(path)
         self.lock_path = self.path.with_name(self.path.name + ".lock")
         self.locking = locking or StoreLocking()
         self._migrated = False
-
 
     @contextmanager
     def _flock(self, exclusive: bool) -> Iterator[None]:
@@ -141,13 +144,35 @@ class DuckDBFile:
             con.execute("BEGIN TRANSACTION")
             try:
                 con.execute(sql)
-                con.execute("INSERT INTO schema_migrations VALUES (?, ?, ?)", [version, description, _now()])
+                con.execute("INSERT INTO schema_migrations VALUES (?, ?, ?)", [version, description, utc_now()])
                 con.execute("COMMIT")
             except BaseException:
                 con.execute("ROLLBACK")
                 raise
         self._migrated = True
 
+    def stored_ids(self, table: str, column: str, ids: list[str]) -> set[str]:
+        """Which of `ids` appear in `table`'s `column` (none when the file does not exist yet)."""
+        if not self.path.exists() or not ids:
+            return set()
+        with self.read() as con:
+            con.register("ids_in", pa.table({column: ids}))
+            rows = con.execute(f"SELECT DISTINCT t.{column} FROM {table} t JOIN ids_in USING ({column})").fetchall()
+        return {r[0] for r in rows}
+
     def schema_version(self) -> int:
         with self.read() as con:
             return con.execute("SELECT max(version) FROM schema_migrations").fetchall()[0][0]
+
+
+def dict_rows(result: duckdb.DuckDBPyConnection) -> list[dict]:
+    """Every row of an executed query, as {column: value}."""
+    cols = [d[0] for d in result.description]
+    return [dict(zip(cols, r)) for r in result.fetchall()]
+
+
+def dict_row(result: duckdb.DuckDBPyConnection) -> dict | None:
+    """The first row of an executed query as {column: value}; None if it has none."""
+    cols = [d[0] for d in result.description]
+    row = result.fetchone()
+    return dict(zip(cols, row)) if row else None

@@ -173,11 +173,12 @@ def _remove_orphaned_temps(folder: Path) -> None:
     pattern = re.compile(rf"^\.{re.escape(folder.name)}\.tmp-(\d+)-[0-9a-f]+$")
     for entry in folder.parent.iterdir():
         m = pattern.match(entry.name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists on this host (owned by anyone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

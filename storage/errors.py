@@ -3,3 +3,7 @@
 
 class LineageError(RuntimeError):
     """A lineage store problem a user can act on (missing file, refused statement)."""
+
+
+class StageBusy(RuntimeError):
+    """Another run of the same stage holds the workspace (`storage.locks.stage_lock`)."""

@@ -4,13 +4,13 @@ of earlier duplicate records lead.
 Owns `ExactIndex` (stored prompt ids as sorted 16-byte keys in merged runs; the chain of every
 duplicate record's text that is not itself stored) and `ExactIndexStore`, the lineage store's
 side: the SQL that loads it and the check that it is current. Promises:
-- `exact_matches` answers what `existing_prompt_ids` then `duplicate_chain_targets` answer over
-  the store at that moment, whoever wrote it. The index is loaded once per process; each lookup
+- `ExactIndexStore.matches` answers what `existing_prompt_ids` then `duplicate_chain_targets`
+  answer over the store at that moment, whoever wrote it. The index is loaded once per process; each lookup
   first compares the store's row counts of `prompts` and `records` with the rows the index has
   accounted for (those tables are append-only), and loads it again when another writer (a
   process, or a write this process did not report) added rows.
-- `discover_batch_written` is told of each committed discover batch by the writer, so a process
-  that is the store's only writer never reloads: at 10M records the two joins it replaces
+- `batch_written` is told of each committed discover batch by its writer
+  (`storage.discover.DiscoverRecords.write_batch`), so a process that is the store's only writer never reloads: at 10M records the two joins it replaces
   scanned every stored prompt and record for each batch.
 """
 
@@ -184,34 +184,34 @@ class ExactIndex:
         return True
 
 
-class ExactIndexStore(DuckDBFile):
+class ExactIndexStore:
     """The lineage store's side of the exact index: loading it, and checking it is current."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._exact_cache: ExactIndex | None = None
+    def __init__(self, db: DuckDBFile):
+        self.db = db
+        self._cache: ExactIndex | None = None
         # discover's writer thread reports each batch it committed; lookups run on another thread.
-        self._exact_mutex = threading.Lock()
+        self._mutex = threading.Lock()
 
-    def exact_matches(self, prompt_ids: list[str]) -> tuple[set[str], dict[str, tuple[str, float | None]]]:
+    def matches(self, prompt_ids: list[str]) -> tuple[set[str], dict[str, tuple[str, float | None]]]:
         """(the ids stored as prompts, the others' duplicate-chain targets), from the in-memory index."""
-        with self._exact_mutex:
-            if not self.path.exists():  # an empty store: the first write's batch is added after it
-                self._exact_cache = self._exact_cache or ExactIndex(0, 0)
-                return self._exact_cache.matches(prompt_ids)
-            index = self._exact_cache
-            with self.read() as con:
+        with self._mutex:
+            if not self.db.path.exists():  # an empty store: the first write's batch is added after it
+                self._cache = self._cache or ExactIndex(0, 0)
+                return self._cache.matches(prompt_ids)
+            index = self._cache
+            with self.db.read() as con:
                 counts = _row_counts(con)
                 if index is None or (index.n_prompts, index.n_records) != counts:
-                    index = self._exact_cache = self._load_exact(con, counts)
+                    index = self._cache = self._load_exact(con, counts)
             return index.matches(prompt_ids)
 
-    def discover_batch_written(self, prompt_ids: list[str], records: list[dict], n_records: int) -> None:
+    def batch_written(self, prompt_ids: list[str], records: list[dict], n_records: int) -> None:
         """Called by the writer after a discover batch committed: `prompt_ids` and `n_records` are
         the prompts and outcome rows its transaction inserted."""
-        with self._exact_mutex:
-            if self._exact_cache is not None and not self._exact_cache.add_batch(prompt_ids, records, n_records):
-                self._exact_cache = None
+        with self._mutex:
+            if self._cache is not None and not self._cache.add_batch(prompt_ids, records, n_records):
+                self._cache = None
 
     def _load_exact(self, con, counts: tuple[int, int]) -> ExactIndex:
         index = ExactIndex(*counts)
@@ -227,12 +227,7 @@ class ExactIndexStore(DuckDBFile):
 
     def existing_prompt_ids(self, prompt_ids: list[str]) -> set[str]:
         """The ids stored as prompts, asked of the store itself."""
-        if not self.path.exists() or not prompt_ids:
-            return set()
-        with self.read() as con:
-            con.register("ids_in", pa.table({"prompt_id": prompt_ids}))
-            rows = con.execute("SELECT DISTINCT p.prompt_id FROM prompts p JOIN ids_in USING (prompt_id)").fetchall()
-        return {r[0] for r in rows}
+        return self.db.stored_ids("prompts", "prompt_id", prompt_ids)
 
     def duplicate_chain_targets(self, prompt_ids: list[str]) -> dict[str, tuple[str, float | None]]:
         """Prompt ids (not stored as prompts) that earlier records were duplicates with, mapped to the
@@ -242,9 +237,9 @@ class ExactIndexStore(DuckDBFile):
         rows written before chains were resolved at decision time still lead to a kept prompt. An id
         whose chain ends nowhere is left out: its record then goes through near-dedupe as new.
         """
-        if not prompt_ids or not self.path.exists():
+        if not prompt_ids or not self.db.path.exists():
             return {}
-        with self.read() as con:
+        with self.db.read() as con:
             return _chain_targets(con, prompt_ids)
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from storage.connection import DuckDBFile, _now
+from storage.connection import DuckDBFile, utc_now
 from storage.datasets import fsync_dir
 
 _LOW32 = np.uint64(0xFFFFFFFF)
@@ -187,32 +187,31 @@ def remove_unregistered_segments(folder: Path, registered: set[str]) -> list[Pat
     return removed
 
 
-class NearIndexStore(DuckDBFile):
+class NearIndexStore:
     """The lineage store's side of the index: registry rows, segment writes, the cached index."""
 
-    def _near_indexes(self) -> dict[str, MinhashIndex]:
-        if not hasattr(self, "_near_cache"):
-            self._near_cache: dict[str, MinhashIndex] = {}
-        return self._near_cache
+    def __init__(self, db: DuckDBFile):
+        self.db = db
+        self._near_cache: dict[str, MinhashIndex] = {}  # by parameters key
 
-    def near_index(self, params: str, num_perm: int, bands: int) -> MinhashIndex:
+    def load(self, params: str, num_perm: int, bands: int) -> MinhashIndex:
         """This parameters key's index, with every segment registered so far (by any process) loaded."""
-        cache = self._near_indexes()
-        folder = params_folder(self.path.parent, params)
+        cache = self._near_cache
+        folder = params_folder(self.db.path.parent, params)
         index = cache.get(params)
         if index is None:
             index = cache[params] = MinhashIndex(folder, num_perm, bands)
-            if not self.path.exists():
+            if not self.db.path.exists():
                 return index
             # First open in this process: under the writers' lock, files no transaction
             # registered are from a crashed writer and go.
-            with self.write() as con:
+            with self.db.write() as con:
                 segments = self._segments(con, params)
                 remove_unregistered_segments(folder, {name for name, _ in segments})
-        elif not self.path.exists():
+        elif not self.db.path.exists():
             return index
         else:
-            with self.read() as con:
+            with self.db.read() as con:
                 segments = self._segments(con, params)
         index.load(segments)
         return index
@@ -222,40 +221,40 @@ class NearIndexStore(DuckDBFile):
         return con.execute("SELECT name, rows FROM minhash_segments WHERE params = ? ORDER BY created_at, name",
                            [params]).fetchall()
 
-    def _insert_minhash(self, con, params: str, prompt_ids: list[str], sig: np.ndarray, keys: np.ndarray) -> None:
+    def insert_segment(self, con, params: str, prompt_ids: list[str], sig: np.ndarray, keys: np.ndarray) -> None:
         """Write and register one segment, inside the caller's transaction (so under the lock)."""
         if not prompt_ids:
             return
-        name = write_segment(params_folder(self.path.parent, params), prompt_ids, sig, keys)
+        name = write_segment(params_folder(self.db.path.parent, params), prompt_ids, sig, keys)
         con.execute("INSERT INTO minhash_segments VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
-                    [params, name, len(prompt_ids), _now()])
+                    [params, name, len(prompt_ids), utc_now()])
 
-    def write_minhash(self, params: str, prompt_ids: list[str], sig: np.ndarray, keys: np.ndarray) -> int:
+    def backfill(self, params: str, prompt_ids: list[str], sig: np.ndarray, keys: np.ndarray) -> int:
         """Index stored prompts (the backfill); ones another process indexed meanwhile are left out."""
-        with self.write() as con:
-            index = self._near_indexes().get(params) or MinhashIndex(
-                params_folder(self.path.parent, params), sig.shape[1], keys.shape[1])
-            self._near_indexes()[params] = index
+        with self.db.write() as con:
+            index = self._near_cache.get(params) or MinhashIndex(
+                params_folder(self.db.path.parent, params), sig.shape[1], keys.shape[1])
+            self._near_cache[params] = index
             index.load(self._segments(con, params))
             fresh = ~np.isin(np.array(prompt_ids, dtype="S32"), index.all_ids())
             keep = np.flatnonzero(fresh)
-            self._insert_minhash(con, params, [prompt_ids[k] for k in keep], sig[keep], keys[keep])
+            self.insert_segment(con, params, [prompt_ids[k] for k in keep], sig[keep], keys[keep])
         return len(keep)
 
     def prompts_not_indexed(self, params: str) -> tuple[list[str], list[list[dict]]]:
         """Stored (kept or held-out) prompts missing from the index under these parameters: after
         a parameter change, an upgrade from the old in-database index, or a run without near-dedupe."""
-        if not self.path.exists():
+        if not self.db.path.exists():
             return [], []
         # A writer's open: it applies the migration that creates the registry to an old workspace.
-        with self.write() as con:
+        with self.db.write() as con:
             (n_prompts,), = con.execute("SELECT count(*) FROM prompts").fetchall()
             if not n_prompts:
                 return [], []
             segments = self._segments(con, params)
             if sum(rows for _, rows in segments) >= n_prompts:  # one entry per prompt: complete
                 return [], []
-            ids = indexed_ids(params_folder(self.path.parent, params), [name for name, rows in segments if rows > 0])
+            ids = indexed_ids(params_folder(self.db.path.parent, params), [name for name, rows in segments if rows > 0])
             con.register("indexed", pa.table({"prompt_id": ids.astype(str)}))
             rows = con.execute("SELECT p.prompt_id, p.messages FROM prompts p ANTI JOIN indexed USING (prompt_id) "
                                "ORDER BY p.prompt_id").fetchall()

@@ -1,7 +1,7 @@
 """Reads that answer a person's questions of the lineage store: summaries, lineage, read-only SQL.
 
-A mixin of `storage.lineage.LineageStore` (it uses the store's `read()`): the queries behind
-`eagle3 status`, `eagle3 sql`, `eagle3 lineage` and the pipeline's closing summary. Promises:
+The queries behind `eagle3 status`, `eagle3 sql`, `eagle3 lineage` and the pipeline's closing
+summary, over every table and the views `progress` and `checkpoint_lineage`. Promises:
 `query_readonly` runs only SELECT/EXPLAIN statements; every method opens the file read-only.
 """
 
@@ -12,57 +12,21 @@ from pathlib import Path
 
 import duckdb
 
-from storage.datasets import write_parquet_atomic
+from storage.connection import DuckDBFile, dict_rows
 from storage.errors import LineageError
-from storage.schema import OUTCOMES
 
 _READ_ONLY_TYPES = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
 
 
-class LineageReports:
+class Reports:
+    """Whole-pipeline summaries, a checkpoint's lineage, and read-only SQL."""
 
-    def outcome_counts(self, run_id: str | None = None) -> dict[str, int]:
-        counts = {o: 0 for o in OUTCOMES}
-        if not self.path.exists():
-            return counts
-        with self.read() as con:
-            sql = "SELECT outcome, count(*) FROM records"
-            rows = con.execute(sql + (" WHERE run_id = ? GROUP BY 1" if run_id else " GROUP BY 1"), [run_id] if run_id else []).fetchall()
-        counts.update(dict(rows))
-        return counts
+    def __init__(self, db: DuckDBFile):
+        self.db = db
 
-    def quarantine_reasons(self, run_id: str, limit: int = 10) -> list[tuple[str, int]]:
-        with self.read() as con:
-            return con.execute(
-                "SELECT regexp_replace(reason, '[0-9]+', 'N', 'g') AS why, count(*) FROM records "
-                "WHERE run_id = ? AND outcome = 'quarantined' GROUP BY 1 ORDER BY 2 DESC, 1 LIMIT ?",
-                [run_id, limit],
-            ).fetchall()
-
-    def export_prompts(self, target: Path) -> int:
-        """Write every kept prompt to one Parquet file, atomically."""
-        with self.read() as con:
-            table = con.sql(
-                "SELECT prompt_id, messages, source, record_key, format, n_turns, chars, run_id "
-                "FROM prompts ORDER BY created_at, prompt_id"
-            ).to_arrow_table()
-        write_parquet_atomic(table, target)
-        return table.num_rows
-
-    def benchmarked(self, checkpoint: str, config_hash: str) -> str | None:
-        """The bench_id of a completed benchmark of `checkpoint` under this config, if there is one."""
-        if not self.path.exists():
-            return None
-        with self.read() as con:
-            row = con.execute(
-                "SELECT b.bench_id FROM benchmark_results b JOIN runs r USING (run_id) "
-                "WHERE b.checkpoint = ? AND r.config_hash = ? AND r.state = 'COMPLETED' "
-                "ORDER BY b.created_at DESC LIMIT 1", [checkpoint, config_hash]).fetchone()
-        return row[0] if row else None
-
-    def pipeline_report(self, run_name: str | None = None) -> dict:
+    def pipeline(self, run_name: str | None = None) -> dict:
         """What a whole pipeline has done so far, over every run: the demo's closing summary."""
-        with self.read() as con:
+        with self.db.read() as con:
             one = lambda sql, *p: con.execute(sql, list(p)).fetchone()  # noqa: E731
             outcomes = dict(con.execute("SELECT outcome, count(*) FROM records GROUP BY 1").fetchall())
             gens, completion = one("SELECT count(*), coalesce(sum(completion_tokens), 0) FROM generations")
@@ -110,16 +74,15 @@ class LineageReports:
         """A checkpoint (by id, unique id prefix, exported path, or run name: its latest export) and every (round, shard, sample,
         generation, prompt, source record) it was trained on."""
         path = str(Path(checkpoint).resolve()) if Path(checkpoint).exists() else checkpoint
-        with self.read() as con:
-            res = con.execute("SELECT * FROM checkpoints WHERE checkpoint = ? OR path = ? OR path = ? "
-                              "OR starts_with(checkpoint, ?) ORDER BY created_at", [checkpoint, checkpoint, path, checkpoint])
-            cols = [d[0] for d in res.description]
-            found = [dict(zip(cols, r)) for r in res.fetchall()]
+        with self.db.read() as con:
+            found = dict_rows(con.execute(
+                "SELECT * FROM checkpoints WHERE checkpoint = ? OR path = ? OR path = ? "
+                "OR starts_with(checkpoint, ?) ORDER BY created_at", [checkpoint, checkpoint, path, checkpoint]))
             if len(found) > 1 and all(r["run_name"] == checkpoint for r in found):
                 # a training run's name: its latest SGLang export
                 found = [r for r in found if r["format"] == "sglang"][-1:] or found[-1:]
             if not found:
-                raise LineageError(f"no checkpoint {checkpoint!r} in {self.path}; list them with "
+                raise LineageError(f"no checkpoint {checkpoint!r} in {self.db.path}; list them with "
                                    "`eagle3 sql \"SELECT checkpoint, format, path FROM checkpoints\"`")
             if len({r["checkpoint"] for r in found}) > 1:
                 raise LineageError(f"{checkpoint!r} matches {len(found)} checkpoints "
@@ -131,7 +94,7 @@ class LineageReports:
 
     def query_readonly(self, sql: str) -> tuple[list[str], list[tuple]]:
         """Run one or more read-only statements; return the last one's columns and rows."""
-        with self.read() as con:
+        with self.db.read() as con:
             try:
                 statements = con.extract_statements(sql)
             except duckdb.Error as e:

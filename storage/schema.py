@@ -1,11 +1,10 @@
 """The lineage store's schema: record outcomes, example queries, and the Arrow row shapes.
 
 Owns the record outcomes, the example queries `eagle3 run` prints, and the Arrow schemas of
-the rows the store inserts; the DDL (migrations and the documented views `record_outcomes`,
-`progress`, `checkpoint_lineage`, `prompt_clusters`) lives in `storage.migrations`,
-`storage.migrations_selection` and `storage.migrations_scale`, joined here as `MIGRATIONS`.
-Promises: the views are the public SQL surface; the tables behind them may change in a later
-migration.
+the rows the store inserts; the DDL (tables and the documented views `record_outcomes`,
+`progress`, `checkpoint_lineage`, `prompt_clusters`) lives in `storage.migrations`, one module
+per schema version. Promises: the views are the public SQL surface; the tables behind them may
+change in a later migration.
 """
 
 from __future__ import annotations
@@ -13,12 +12,6 @@ from __future__ import annotations
 import pyarrow as pa
 
 from storage.datasets import GENERATION_FILE_SCHEMA
-from storage.migrations import MIGRATIONS as _FIRST_MIGRATIONS
-from storage.migrations_scale import SCALE_MIGRATIONS
-from storage.migrations_selection import SELECTION_MIGRATIONS
-
-# Every migration in version order (callers import it from here).
-MIGRATIONS = _FIRST_MIGRATIONS + SELECTION_MIGRATIONS + SCALE_MIGRATIONS
 
 OUTCOMES = ("kept", "heldout", "exact_duplicate", "near_duplicate", "contaminated", "quarantined")
 

@@ -27,6 +27,23 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 
+# The fast lane (`make test-fast`, `pytest -m "not slow"`) is every test that starts no server, loads no
+# SmolLM2 weights and needs no vLLM. A module made of such tests says `pytestmark = pytest.mark.slow`; a
+# test elsewhere is slow when it says so itself or asks for one of these fixtures (the transitive ones count).
+SLOW_FIXTURES = frozenset({
+    "prefect_api",  # a real Prefect API server (this file)
+    "scripted",     # scripted OpenAI-compatible servers as processes (this file, test_online_bench.py)
+    # test modules' own fixtures that load SmolLM2's weights (a conversion, or decoding with the model)
+    "smol", "smol_bf16", "smol_setup", "smol32", "converted", "float32_target",
+})
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def prefect_api() -> str:
     """A real Prefect API server on loopback, started once for the session (about 5 s)."""

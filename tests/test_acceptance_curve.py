@@ -16,7 +16,7 @@ DOMAINS = ("heldout_chat", "humaneval", "all")
 
 
 def _train_run(store: LineageStore, run_id: str, name: str, mode: str) -> None:
-    store.register_train_run(run_id, {"run_name": name, "mode": mode, "extract_key": "e", "vocab_id": "v",
+    store.training.register_run(run_id, {"run_name": name, "mode": mode, "extract_key": "e", "vocab_id": "v",
                                       "target": "tiny", "target_revision": "r", "draft_config": {},
                                       "train_config": {"epochs": 1}})
 
@@ -28,7 +28,7 @@ def _metric(step: int, round_index: int, tokens: int) -> dict:
 
 def _checkpoint(store: LineageStore, run_id: str, name: str, step: int, rounds: int, tmp: Path) -> str:
     ckpt = f"{name}/sglang-step-{step:08d}"
-    store.register_checkpoint(run_id, {"checkpoint": ckpt, "run_name": name, "step": step, "format": "sglang",
+    store.checkpoints.register(run_id, {"checkpoint": ckpt, "run_name": name, "step": step, "format": "sglang",
                                        "path": str(tmp / ckpt), "sha256": "x", "rounds": rounds, "target": "tiny",
                                        "target_revision": "r", "aux_layer_ids": [0, 1, 2], "vocab_id": "v",
                                        "extract_key": "e"})
@@ -37,7 +37,7 @@ def _checkpoint(store: LineageStore, run_id: str, name: str, step: int, rounds: 
 
 def _bench(store: LineageStore, run_id: str, bench_id: str, ckpt: str, values: dict[str, float],
            drafters=DRAFTERS) -> None:
-    store.write_benchmark_results(run_id, [{
+    store.benchmarks.write_results(run_id, [{
         "bench_id": bench_id, "checkpoint": ckpt, "kind": "offline", "config_label": "chain k=3", "drafter": d,
         "domain": dom, "concurrency": None, "requests": 2, "completion_tokens": 24, "verify_rounds": 12,
         "acceptance_token_weighted": values[d] + (0.5 if dom == "humaneval" else 0.0),
@@ -50,18 +50,18 @@ def curve_workspace(tmp_path: Path, final_state_rows: bool = True) -> tuple[Path
     benchmarked out of order, one checkpoint twice (the newer measurement counts)."""
     ws = tmp_path / "ws"
     store = LineageStore(ws / "lineage.duckdb")
-    run_id = store.begin_run("train", {}, "h", None, None)
+    run_id = store.runs.begin("train", {}, "h", None, None)
     _train_run(store, run_id, "t", "offline")
-    store.write_train_metrics(run_id, "t", [_metric(2, 0, 180), _metric(4, 0, 400), _metric(9, 1, 1000),
+    store.training.write_metrics(run_id, "t", [_metric(2, 0, 180), _metric(4, 0, 400), _metric(9, 1, 1000),
                                             _metric(15, 2, 1900)])
     ckpts = []
     for r, (samples, step) in enumerate([(5, 4), (7, 9), (11, 15)]):
-        store.write_train_round(run_id, "t", r, [f"s{r}"], samples, 1, step)
+        store.training.write_round(run_id, "t", r, [f"s{r}"], samples, 1, step)
         ckpts.append(_checkpoint(store, run_id, "t", step, r + 1, tmp_path))
     _train_run(store, run_id, "o", "online")
-    store.write_train_metrics(run_id, "o", [_metric(3, 0, 300), _metric(6, 1, 700)])
-    store.write_train_round(run_id, "o", 0, [], 10, 1, 3)
-    store.write_train_round(run_id, "o", 1, [], 14, 1, 6)  # an online round covers every generation so far
+    store.training.write_metrics(run_id, "o", [_metric(3, 0, 300), _metric(6, 1, 700)])
+    store.training.write_round(run_id, "o", 0, [], 10, 1, 3)
+    store.training.write_round(run_id, "o", 1, [], 14, 1, 6)  # an online round covers every generation so far
     online = _checkpoint(store, run_id, "o", 6, 2, tmp_path)
     drafters = DRAFTERS if final_state_rows else ("eagle3", "prompt-lookup")
     values = lambda ours, final: {"eagle3": ours, "eagle3-final-state-only": final, "prompt-lookup": 1.4}  # noqa: E731
@@ -75,7 +75,7 @@ def curve_workspace(tmp_path: Path, final_state_rows: bool = True) -> tuple[Path
 
 def test_the_view_gives_acceptance_against_cumulative_training_data_in_order(tmp_path):
     ws, ckpts = curve_workspace(tmp_path)
-    cols, rows = LineageStore(ws / "lineage.duckdb").query_readonly("SELECT * FROM acceptance_curve")
+    cols, rows = LineageStore(ws / "lineage.duckdb").reports.query_readonly("SELECT * FROM acceptance_curve")
     assert cols[:6] == ["checkpoint", "run_name", "step", "rounds", "training_tokens", "training_conversations"]
     points = [dict(zip(cols, r)) for r in rows]
     assert len(points) == 4 * len(DRAFTERS) * len(DOMAINS)  # one per checkpoint, drafter, domain: no re-measure twice
@@ -92,14 +92,14 @@ def test_the_view_gives_acceptance_against_cumulative_training_data_in_order(tmp
 def test_the_png_shows_the_curve_with_both_references(tmp_path):
     ws, _ = curve_workspace(tmp_path)
     png = tmp_path / "curve.png"
-    plot = acceptance_curve_png(LineageStore(ws / "lineage.duckdb").acceptance_curve(), png)
+    plot = acceptance_curve_png(LineageStore(ws / "lineage.duckdb").benchmarks.acceptance_curve(), png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     assert plot.domain == "heldout_chat" and plot.config_label == "chain k=3"
     assert plot.series["t"] == [(400, 5, 1.05), (1000, 12, 1.2), (1900, 23, 1.3)]
     assert plot.references == {"prompt-lookup": 1.4, "eagle3-final-state-only": 1.2}  # newest measurement's
 
     ws2, _ = curve_workspace(tmp_path / "no-final", final_state_rows=False)
-    plot = acceptance_curve_png(LineageStore(ws2 / "lineage.duckdb").acceptance_curve(), tmp_path / "c2.png")
+    plot = acceptance_curve_png(LineageStore(ws2 / "lineage.duckdb").benchmarks.acceptance_curve(), tmp_path / "c2.png")
     assert plot.references == {"prompt-lookup": 1.4} and (tmp_path / "c2.png").exists()
     assert acceptance_curve_png([], tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
 
@@ -149,8 +149,8 @@ def test_the_pipeline_benchmarks_each_rounds_export_when_asked(prefect_api, tmp_
         measured.add(latest["checkpoint"])
         return SimpleNamespace(acceptance={})
 
-    store = SimpleNamespace(checkpoint_row=lambda *a, **k: dict(latest),
-                            benchmarked=lambda ckpt, h: "old" if ckpt in measured else None)
+    store = SimpleNamespace(checkpoints=SimpleNamespace(find=lambda *a, **k: dict(latest)),
+                            benchmarks=SimpleNamespace(completed=lambda ckpt, h: "old" if ckpt in measured else None))
     skips = []
     summary = PipelineSummary("x", str(tmp_path), "")
     _rounds(cfg, sizes, summary, stage, SimpleNamespace(info=lambda *a: None), store,

@@ -196,6 +196,7 @@ def test_the_mismatch_check_finds_a_one_token_difference(tok):
     assert mismatch_report([]).rate == 0.0
 
 
+@pytest.mark.slow  # starts a server: not in `make test-fast`
 def test_prompt_tokens_equal_the_llama_cpp_servers_count(tok, tmp_path):
     from serving.llamacpp.server import LlamaCppServer
 

@@ -34,6 +34,8 @@ from serving.client import ChatResult, Endpoint, EndpointsDown, RequestFailed, R
 from serving.llamacpp.server import free_port  # noqa: E402
 from serving.scripted_server import answer_for, spawn  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts servers, vLLM or `eagle3` processes: not in `make test-fast`
+
 KEY_VAR = "EAGLE3_TEST_CLIENT_API_KEY"
 NO_LIMIT = 1 << 30  # what the server uses for max_tokens when none is sent
 

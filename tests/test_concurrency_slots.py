@@ -33,6 +33,7 @@ def _active_slots(api_url: str, name: str) -> int:
         return slots_in_use(name)[0]
 
 
+@pytest.mark.slow  # starts a server: not in `make test-fast`
 def test_a_slot_held_by_a_killed_stage_frees_after_the_server_restarts(tmp_path: Path, monkeypatch):
     """The lease outlives the server's restart (kept on disk), so the server frees the dead holder's slot.
     With leases in the server's memory (Prefect's default) the slot stayed taken for ever, and every later

@@ -205,7 +205,7 @@ def test_exact_twin_of_an_earlier_batchs_near_duplicate_names_the_stored_kept_pr
     case = _reported_case()
     store = LineageStore(tmp_path / "l.duckdb")
     first = decide_outcomes(_records([case["edit"], case["base"]]), FORMATS, store, NearDedupeConfig(), None)
-    store.write_discover_batch("run1", first.records, first.prompts, first.minhash)
+    store.discover.write_batch("run1", first.records, first.prompts, first.minhash)
     edit_id = first.records[0]["prompt_id"]
     assert [r["outcome"] for r in first.records] == ["kept", "near_duplicate"]
     second = decide_outcomes(_records([case["upper"]], start=2), FORMATS, store, NearDedupeConfig(), None)
@@ -222,7 +222,7 @@ def test_a_stored_chain_left_by_older_runs_is_followed_to_the_kept_prompt(tmp_pa
     # A row as the old code wrote it: the upper-cased copy naming the (near duplicate) base.
     legacy = {**batch.records[1], "record_key": "L2", "outcome": "exact_duplicate", "duplicate_of": base_id,
               "similarity": None}
-    store.write_discover_batch("old", batch.records + [legacy], batch.prompts, batch.minhash)
+    store.discover.write_batch("old", batch.records + [legacy], batch.prompts, batch.minhash)
     again = decide_outcomes(_records([case["base"] + "  "], start=3), FORMATS, store, NearDedupeConfig(), None)
     assert again.records[0]["outcome"] == "exact_duplicate" and again.records[0]["duplicate_of"] == edit_id
 
@@ -252,7 +252,7 @@ def test_every_duplicate_in_a_planted_fixture_names_a_kept_prompt(tmp_path, batc
         batch = decide_outcomes(records[k : k + batch_size], FORMATS, store, NearDedupeConfig(), None)
         assert sorted(p["prompt_id"] for p in batch.prompts) == sorted(
             r["prompt_id"] for r in batch.records if r["outcome"] == "kept")
-        store.write_discover_batch(f"run{k}", batch.records, batch.prompts, batch.minhash)
+        store.discover.write_batch(f"run{k}", batch.records, batch.prompts, batch.minhash)
         rows += batch.records
     kept_ids = {r["prompt_id"] for r in rows if r["outcome"] == "kept"}
     _assert_duplicates_name_kept_prompts(rows, kept_ids)
@@ -263,7 +263,7 @@ def test_every_duplicate_in_a_planted_fixture_names_a_kept_prompt(tmp_path, batc
     assert len(exact) == len(texts) - len({canonical_text(t) for t in texts})  # independent of order and batches
     assert sum(r["duplicate_of"] != r["prompt_id"] for r in exact) >= 10
     # And so says the stored `record_outcomes` view.
-    _, bad = store.query_readonly(
+    _, bad = store.reports.query_readonly(
         "SELECT count(*) FROM record_outcomes d WHERE d.duplicate_of IS NOT NULL AND d.duplicate_of NOT IN "
         "(SELECT prompt_id FROM record_outcomes WHERE outcome = 'kept')")
     assert bad == [(0,)]
@@ -290,7 +290,7 @@ def test_deciding_a_batch_runs_without_cyclic_gc_and_gives_it_back(tmp_path, mon
 
 
 def _outcome_rows(store: LineageStore) -> list[tuple]:
-    return store.query_readonly("SELECT source, record_key, outcome, prompt_id, duplicate_of, similarity "
+    return store.reports.query_readonly("SELECT source, record_key, outcome, prompt_id, duplicate_of, similarity "
                                 "FROM records ORDER BY source, record_key")[1]
 
 
@@ -301,7 +301,7 @@ def test_overlapped_decide_and_write_gives_the_outcomes_of_one_batch_after_the_o
     one_by_one = LineageStore(tmp_path / "a.duckdb")
     for chunk in chunks:
         batch = decide_outcomes(chunk, FORMATS, one_by_one, NearDedupeConfig(), None)
-        one_by_one.write_discover_batch("run", batch.records, batch.prompts, batch.minhash)
+        one_by_one.discover.write_batch("run", batch.records, batch.prompts, batch.minhash)
     overlapped = LineageStore(tmp_path / "b.duckdb")
     written = []
     decide_and_write(chunks, "run", FORMATS, overlapped, NearDedupeConfig(), None,
@@ -313,26 +313,29 @@ def test_overlapped_decide_and_write_gives_the_outcomes_of_one_batch_after_the_o
 
 
 class _SlowWriteStore(LineageStore):
-    """Logs each write's start and end and each store read that resolving a batch starts with."""
+    """Logs each write's start and end and each store read that resolving a batch starts with: its
+    discover batch writes and exact-index lookups go through the logging ones below."""
 
     def __init__(self, path, log, fail_on=None, after_write=None):
         super().__init__(path)
         self.log, self.fail_on, self.after_write, self.writes = log, fail_on, after_write, 0
+        self._write_batch, self._matches = self.discover.write_batch, self.exact_index.matches
+        self.discover.write_batch, self.exact_index.matches = self._slow_write_batch, self._logged_matches
 
-    def write_discover_batch(self, run_id, records, prompts, minhash):
+    def _slow_write_batch(self, run_id, records, prompts, minhash):
         n = self.writes = self.writes + 1
         self.log.append(("write start", n))
         time.sleep(0.3)
         if n == self.fail_on:
             raise OSError("disk full")
-        super().write_discover_batch(run_id, records, prompts, minhash)
+        self._write_batch(run_id, records, prompts, minhash)
         if self.after_write is not None:
             self.after_write(n)
         self.log.append(("write end", n))
 
-    def exact_matches(self, prompt_ids):
+    def _logged_matches(self, prompt_ids):
         self.log.append(("resolve", self.writes + 1))
-        return super().exact_matches(prompt_ids)
+        return self._matches(prompt_ids)
 
 
 def test_a_batch_is_resolved_only_after_the_previous_write_committed_and_prepared_during_it(tmp_path, monkeypatch):
@@ -378,7 +381,7 @@ def test_a_batch_finds_what_another_writer_stored_while_the_one_before_was_writt
         if n == 1:
             other = LineageStore(path)
             batch = decide_outcomes(_records(other_texts, start=100), FORMATS, other, NearDedupeConfig(), None)
-            other.write_discover_batch("other", batch.records, batch.prompts, batch.minhash)
+            other.discover.write_batch("other", batch.records, batch.prompts, batch.minhash)
 
     store = _SlowWriteStore(path, [], after_write=other_process_writes)
     chunks = [_records(["our first prompt " * 6]), _records([case["base"], other_texts[1].upper()], start=1)]

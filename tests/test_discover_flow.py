@@ -22,6 +22,8 @@ from storage.lineage import LineageStore
 from tasks.config import DiscoverConfig, load_config
 from tasks.discover.decontaminate import humaneval_items
 
+pytestmark = pytest.mark.slow  # starts servers, vLLM or `eagle3` processes: not in `make test-fast`
+
 ROOT = Path(__file__).resolve().parent.parent
 EAGLE3 = [sys.executable, "-m", "flows.cli"]
 
@@ -82,7 +84,7 @@ def catalog_config(d: Path, ws: Path, **extra) -> DiscoverConfig:
 
 
 def outcomes(ws: Path) -> dict:
-    _, rows = LineageStore(ws / "lineage.duckdb").query_readonly("SELECT source, record_key, outcome FROM record_outcomes")
+    _, rows = LineageStore(ws / "lineage.duckdb").reports.query_readonly("SELECT source, record_key, outcome FROM record_outcomes")
     return {(s, k): o for s, k, o in rows}
 
 
@@ -95,16 +97,16 @@ def test_every_record_gets_its_outcome_and_counts_reconcile(prefect_api, tmp_pat
     assert any("file ends inside record #7" in t for t in summary.truncated_sources)
 
     store = LineageStore(workspace / "lineage.duckdb")
-    _, rows = store.query_readonly(
+    _, rows = store.reports.query_readonly(
         "SELECT record_key, reason, duplicate_of, eval_item FROM record_outcomes WHERE source = 'chat' ORDER BY record_key")
     by_key = {r[0]: r[1:] for r in rows}
-    k1_id = store.query_readonly("SELECT prompt_id FROM record_outcomes WHERE source='chat' AND record_key='#0'")[1][0][0]
-    k3_id = store.query_readonly("SELECT prompt_id FROM record_outcomes WHERE source='chat' AND record_key='#2'")[1][0][0]
+    k1_id = store.reports.query_readonly("SELECT prompt_id FROM record_outcomes WHERE source='chat' AND record_key='#0'")[1][0][0]
+    k3_id = store.reports.query_readonly("SELECT prompt_id FROM record_outcomes WHERE source='chat' AND record_key='#2'")[1][0][0]
     assert by_key["#1"][1] == k1_id and by_key["#3"][1] == k3_id
     assert by_key["#4"][2] == "humaneval/HumanEval/3"
     assert by_key["#5"][0] == "turn 1: unknown role 'robot'" and by_key["#6"][0] == "no user turn"
     assert by_key["#7"][0].startswith("truncated")
-    _, reads = store.query_readonly("SELECT source, complete, stop_reason FROM source_reads ORDER BY source")
+    _, reads = store.reports.query_readonly("SELECT source, complete, stop_reason FROM source_reads ORDER BY source")
     assert [(s, c) for s, c, _ in reads] == [("alpaca", True), ("chat", False), ("msgs", True)]
 
     # The dataset is a Parquet file that `datasets` reads, one row per kept prompt.
@@ -117,7 +119,7 @@ def test_every_record_gets_its_outcome_and_counts_reconcile(prefect_api, tmp_pat
     assert dns["messages"] == [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Explain DNS."}]
 
     # The run is tied to its Prefect flow run, which holds the outcome table artifact.
-    _, runs = store.query_readonly("SELECT flow_run_id, state, config_hash FROM runs")
+    _, runs = store.reports.query_readonly("SELECT flow_run_id, state, config_hash FROM runs")
     flow_run_id, state, chash = runs[0]
     assert state == "COMPLETED" and chash and flow_run_id
     from prefect.client.orchestration import get_client
@@ -158,11 +160,11 @@ def test_rerun_adds_nothing_and_a_second_batch_adds_only_what_is_new(prefect_api
         ("nightly", "L3"): "near_duplicate", ("nightly", "L4"): "exact_duplicate",
     }
     store = LineageStore(workspace / "lineage.duckdb")
-    _, rows = store.query_readonly(
+    _, rows = store.reports.query_readonly(
         "SELECT n.duplicate_of = k.prompt_id FROM record_outcomes n, record_outcomes k "
         "WHERE n.source = 'nightly' AND n.record_key = 'L3' AND k.source = 'chat' AND k.record_key = '#2'")
     assert rows == [(True,)]
-    assert store.query_readonly("SELECT count(*) FROM prompts")[1] == [(5,)]
+    assert store.reports.query_readonly("SELECT count(*) FROM prompts")[1] == [(5,)]
 
 
 def test_changed_near_dedupe_parameters_backfill_stored_signatures(prefect_api, tmp_path, workspace):
@@ -178,7 +180,7 @@ def test_changed_near_dedupe_parameters_backfill_stored_signatures(prefect_api, 
     # Without the backfill no stored prompt would have a signature under the new parameters,
     # and this near duplicate of chat #2 would be kept.
     assert outcomes(workspace)[("n", "L1")] == "near_duplicate"
-    _, rows = LineageStore(workspace / "lineage.duckdb").query_readonly(
+    _, rows = LineageStore(workspace / "lineage.duckdb").reports.query_readonly(
         "SELECT params, sum(rows) FROM minhash_segments GROUP BY 1 ORDER BY 1")
     assert [r[1] for r in rows] == [4, 4] and len({r[0] for r in rows}) == 2
 
@@ -253,7 +255,7 @@ def test_kill_9_during_discover_then_resume_loses_and_duplicates_nothing(prefect
     store = LineageStore(workspace / "lineage.duckdb")
 
     def stored() -> int:
-        return store.query_readonly("SELECT count(*) FROM records")[1][0][0] if store.path.exists() else 0
+        return store.reports.query_readonly("SELECT count(*) FROM records")[1][0][0] if store.path.exists() else 0
 
     for attempt in range(3):  # kill it at three different points
         # Each kill lands after this attempt itself wrote 1,000 records, so its run is registered:
@@ -283,13 +285,13 @@ def test_kill_9_during_discover_then_resume_loses_and_duplicates_nothing(prefect
     partial = stored()
     assert 0 < partial < len(rows)  # the kills really landed mid-run
     eagle3("discover", "--config", str(cfg_path))
-    _, counts = store.query_readonly("SELECT count(*), count(DISTINCT record_key) FROM records")
+    _, counts = store.reports.query_readonly("SELECT count(*), count(DISTINCT record_key) FROM records")
     assert counts == [(len(rows), len(rows))]
-    _, per = store.query_readonly("SELECT outcome, count(*) FROM records GROUP BY 1 ORDER BY 1")
+    _, per = store.reports.query_readonly("SELECT outcome, count(*) FROM records GROUP BY 1 ORDER BY 1")
     assert dict(per) == {"exact_duplicate": 500, "kept": n}
-    assert store.query_readonly("SELECT count(*), count(DISTINCT prompt_id) FROM prompts")[1] == [(n, n)]
+    assert store.reports.query_readonly("SELECT count(*), count(DISTINCT prompt_id) FROM prompts")[1] == [(n, n)]
     assert len(pq.read_table(workspace / "data" / "prompts" / "prompts.parquet")) == n
-    _, states = store.query_readonly("SELECT state, count(*) FROM runs GROUP BY 1 ORDER BY 1")
+    _, states = store.reports.query_readonly("SELECT state, count(*) FROM runs GROUP BY 1 ORDER BY 1")
     assert dict(states) == {"COMPLETED": 1, "CRASHED": 3}  # the killed runs are marked, not left RUNNING
 
 
@@ -312,7 +314,7 @@ def test_sources_are_read_one_at_a_time_each_decided_before_the_next(prefect_api
 
     def read_and_look(src):
         db = workspace / "lineage.duckdb"
-        decided_when_read[src.name] = (LineageStore(db).query_readonly("SELECT count(*) FROM records")[1][0][0]
+        decided_when_read[src.name] = (LineageStore(db).reports.query_readonly("SELECT count(*) FROM records")[1][0][0]
                                        if db.exists() else 0)
         from tasks.discover.sources import read_source
         return read_source(src)

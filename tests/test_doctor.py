@@ -1,5 +1,5 @@
 """The serving-contract doctor: a real small draft exported for SGLang and vLLM, broken one way at a time
-(CONTRACTS.md silent failures 1-6, a draft for another target), must fail exactly the expected checks;
+(docs/contracts.md silent failures 1-6, a draft for another target), must fail exactly the expected checks;
 `fix=True` repairs the mechanical breakages into a copy that loads with identical logits and refuses the
 others; every command the speculative sweep generates passes the launch check."""
 
@@ -15,15 +15,11 @@ import torch
 from transformers import LlamaConfig
 
 from serving.doctor import expected_aux_layer_ids_from_lineage, run_doctor
-from serving.launch import sglang_speculative_command, speculative_sweep
+from serving.sglang.server import sglang_speculative_command, speculative_sweep
 from tasks.model.draft import DraftConfig, Eagle3Draft
-from tasks.export.checkpoint import (
-    PROJECT_KEY,
-    export_sglang,
-    export_speculators,
-    load_sglang,
-    load_speculators,
-)
+from serving.draft_folder import PROJECT_KEY
+from serving.sglang.export import export_sglang, load_sglang
+from serving.vllm.export import export_speculators, load_speculators
 from tasks.extract.vocab import build_draft_vocab
 
 from helpers import edit_export
@@ -358,13 +354,13 @@ def test_expected_layers_come_from_lineage(sglang_folder, target, tmp_path):
     row = {"checkpoint": "run/sglang-step-1", "run_name": "run", "step": 1, "format": "sglang",
            "path": str(sglang_folder), "sha256": "x", "rounds": 1, "target": "tiny", "target_revision": "r",
            "aux_layer_ids": [1, 3, 4], "vocab_id": "v", "extract_key": "ek"}
-    store.register_checkpoint("run-id", row)
+    store.checkpoints.register("run-id", row)
     assert expected_aux_layer_ids_from_lineage(db, sglang_folder) == [1, 3, 4]
     assert expected_aux_layer_ids_from_lineage(db, tmp_path / "elsewhere") is None
     # Lineage says [1, 3, 4], the folder says it was trained on [1, 3, 5]: refused, and not "fixed".
     report = run_doctor(sglang_folder, target, expected_aux_layer_ids=[1, 3, 4], fix=True)
     assert _failed(report) == {"aux_layers"} and "lineage" in report.failure_lines()[0]
     assert report.fixed_dir is None
-    store.register_extract_settings("run-id", "ek", "v", {"aux_layer_ids": [1, 3, 6]})
+    store.extraction.register_settings("run-id", "ek", "v", {"aux_layer_ids": [1, 3, 6]})
     with pytest.raises(ValueError, match="extraction used"):
         expected_aux_layer_ids_from_lineage(db, sglang_folder)

@@ -22,6 +22,8 @@ from tasks.model.target import smollm2_gguf_path
 
 from helpers import TARGET_CACHE, random_smollm2_export, edit_export
 
+pytestmark = pytest.mark.slow  # starts servers, vLLM or `eagle3` processes: not in `make test-fast`
+
 N_DRAFT, LAYERS, HIDDEN, VOCAB = 256, 30, 576, 49152  # SmolLM2-135M
 AUX = (3, 10, 20)  # trained layers (output of layer i); not the converter's default [1, 14, 26]
 IDS = [4, 11, 21]  # what llama.cpp must read: inputs of layers i+1
@@ -271,7 +273,7 @@ def test_cli_names_the_failed_check_and_reads_lineage_for_a_gguf(gguf, target, t
     assert ok.exit_code == 0 and "PASS llamacpp: eagle3" in ok.output, ok.output
     assert "aux_layers (warning): cannot verify" in ok.output
     # Lineage registers the folder holding the GGUF: the file's trained layers are found through it.
-    LineageStore(tmp_path / "ws" / "lineage.duckdb").register_checkpoint("run-id", {
+    LineageStore(tmp_path / "ws" / "lineage.duckdb").checkpoints.register("run-id", {
         "checkpoint": "run/gguf-step-1", "run_name": "run", "step": 1, "format": "gguf", "path": str(gguf.parent),
         "sha256": "x", "rounds": 1, "target": "smollm2", "target_revision": "r", "aux_layer_ids": list(AUX),
         "vocab_id": "v", "extract_key": "ek"})

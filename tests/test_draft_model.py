@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tasks.model.attention import ttt_attention, ttt_attention_mask
 from tasks.model.draft import (DraftConfig, Eagle3Draft, init_head_from_target, load_target_embeddings,
-                               target_final_norm_weight, target_head_weight, ttt_attention, ttt_attention_mask)
+                               target_final_norm_weight, target_head_weight)
 from tasks.train.ttt import Batch, collate, step_targets, step_valid_mask, teacher_targets, ttt_loss
 from tasks.extract.hf_backend import Extracted, ExtractSettings, HFExtractor, default_aux_layer_ids
 

@@ -30,6 +30,8 @@ from tasks.model.target import load_target, smollm2_gguf_path
 
 from helpers import TARGET_CACHE, conversations, extract_config, import_generations
 
+pytestmark = pytest.mark.slow  # starts servers, vLLM or `eagle3` processes: not in `make test-fast`
+
 MAX_NEW = 24
 COPY = ("Copy this code exactly:\ndef add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
         "def mul(a, b):\n    return a * b\n")
@@ -228,7 +230,7 @@ def tiny_target_gguf(tiny_target, tmp_path_factory) -> Path:
 def test_benchmark_flow_serves_the_exported_draft_on_llama_server(prefect_api, tmp_path, workspace, tiny_target,
                                                                   tiny_target_gguf):
     from flows.benchmark import benchmark
-    from flows.cli import serving_view
+    from flows.tables import serving_view
     from flows.extract import extract
     from flows.train import train
     from tasks.config import BenchConfig, TrainConfig
@@ -261,7 +263,7 @@ def test_benchmark_flow_serves_the_exported_draft_on_llama_server(prefect_api, t
     assert Path(b.serving_png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     store = LineageStore(ws / "lineage.duckdb")
-    _, stored = store.query_readonly(
+    _, stored = store.reports.query_readonly(
         f"SELECT config_label, drafter, concurrency, output_tok_s > 0, ttft_p90_s >= ttft_p50_s, server_build, "
         f"acceptance_token_weighted IS NOT NULL FROM benchmark_results WHERE bench_id = '{b.bench_id}' "
         f"AND kind = 'serving' ORDER BY config_label, concurrency")
@@ -269,7 +271,7 @@ def test_benchmark_flow_serves_the_exported_draft_on_llama_server(prefect_api, t
     assert all(r[3] and r[4] and r[5].startswith("b") for r in stored)
     assert all(r[6] == (r[1] != "baseline") for r in stored)
     # `eagle3 run` prints the same table from the store (the latest serving benchmark of the checkpoint)
-    report = store.pipeline_report("t")["serving"]
+    report = store.reports.pipeline("t")["serving"]
     assert sorted(serving_view(report)[1]) == sorted(serving_view(b.serving_rows)[1])
     assert [r for r in report if r.get("offline_agreement")][0]["offline_agreement"]["k"] == 2
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.model.draft import DraftConfig, Eagle3Draft, load_target_embeddings
+from benchmarks.fixtures import chat_prompts, random_draft
+from tasks.model.draft import Eagle3Draft
 from tasks.evaluate.offline import (HUMANEVAL, AcceptanceReport, BenchPrompt, Drafter, Eagle3Drafter, LossyDecoding,
                             OracleDrafter, PromptLookupDrafter, RequestResult, TargetState, aggregate,
                             benchmark_sets, check_lossless, draft_chain_logits, evaluate_acceptance,
@@ -36,15 +37,7 @@ def tiny():
 
 
 def _draft(target, n_draft: int = N_DRAFT, aux=AUX, seed: int = 1) -> Eagle3Draft:
-    cfg = target.config
-    torch.manual_seed(seed)
-    draft = Eagle3Draft(DraftConfig.from_target_config(cfg, n_draft, aux))
-    ids = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(seed))[:n_draft].sort().values
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    draft.set_vocab(ids - torch.arange(n_draft), t2d)
-    load_target_embeddings(draft, target)
-    return draft.eval()
+    return random_draft(target, n_draft, aux, seed)
 
 
 def _prompts(n: int, seed: int = 0) -> list[BenchPrompt]:
@@ -208,7 +201,7 @@ def test_benchmark_prompts_are_chat_templated(smol, tmp_path):
 
 
 def test_exported_draft_loads_for_its_target_and_proposes_the_same(tiny, tmp_path):
-    from tasks.export.checkpoint import export_sglang
+    from serving.sglang.export import export_sglang
 
     draft = _draft(tiny)
     folder = export_sglang(draft, tmp_path / "draft", dtype=torch.float32)
@@ -250,23 +243,6 @@ def test_a_difference_from_the_greedy_output_is_an_error_naming_drafter_prompt_a
     assert "1 of 2 outputs" in str(err.value)
 
 
-def _chat_prompts(n: int) -> list[str]:
-    """The first user turns of ShareGPT records (the embedded default's chat data)."""
-    from tasks.config import SourceConfig
-    from tasks.discover.prompts import Prompt, normalise_record
-    from tasks.discover.sources import read_source
-
-    records, _ = read_source(SourceConfig(name="sharegpt", kind="sharegpt_package", limit=400))
-    out = []
-    for rec in records:
-        p = normalise_record(rec.data)
-        if isinstance(p, Prompt) and p.messages[0]["role"] == "user" and 20 <= len(p.messages[0]["content"]) <= 600:
-            out.append(p.messages[0]["content"])
-        if len(out) == n:
-            return out
-    raise AssertionError(f"only {len(out)} short chat prompts in the first records")
-
-
 @pytest.fixture(scope="module")
 def smol_bf16():
     from tasks.model.target import load_target
@@ -287,7 +263,7 @@ def test_every_drafter_is_lossless_on_smollm2_chat_and_code(smol_bf16):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the module runs on one thread; this test is mostly SmolLM2 forwards
     try:
-        sets = [("chat", _chat_prompts(12)), (HUMANEVAL, benchmark_sets()[0][1][:12])]
+        sets = [("chat", chat_prompts(12)), (HUMANEVAL, benchmark_sets()[0][1][:12])]
         prompts = prompts_for_benchmark(tok, None, sets)
         assert len(prompts) == 24
         stops = stop_token_ids(model, tok)

@@ -15,8 +15,8 @@ from tests.test_dedupe import FORMATS, _planted_records, _records, _reported_cas
 
 
 def _sql_answer(store: LineageStore, ids: list[str]):
-    stored = store.existing_prompt_ids(ids)
-    return stored, store.duplicate_chain_targets([p for p in ids if p not in stored])
+    stored = store.exact_index.existing_prompt_ids(ids)
+    return stored, store.exact_index.duplicate_chain_targets([p for p in ids if p not in stored])
 
 
 def test_id_keys_are_the_ids_own_bits_and_tell_any_two_ids_apart():
@@ -43,18 +43,18 @@ def test_exact_matches_answer_as_the_store_does_batch_after_batch_and_load_once(
     def compare(batch) -> None:
         seen.extend(r["prompt_id"] for r in batch.records if r["prompt_id"])
         ids = sorted(set(seen)) + ["0" * 32, "not an id"]
-        assert store.exact_matches(ids) == _sql_answer(store, ids)
+        assert store.exact_index.matches(ids) == _sql_answer(store, ids)
         checked.append(len(batch.records))
 
     chunks = [records[k : k + 37] for k in range(0, len(records), 37)]
     decide_and_write(chunks, "run", FORMATS, store, NearDedupeConfig(), None, on_written=compare)
     assert sum(checked) == len(records)
-    stored, earlier = store.exact_matches(sorted(set(seen)))
+    stored, earlier = store.exact_index.matches(sorted(set(seen)))
     assert len(earlier) >= 10  # the fixture has texts only seen as near duplicates, and their twins
     assert loads == []  # begun on an empty store, the only writer: each batch added, never loaded
     again = LineageStore(tmp_path / "l.duckdb")  # a new process: loads it from the store, once
     ids = sorted(set(seen))
-    assert again.exact_matches(ids) == (stored, earlier) == _sql_answer(again, ids) and len(loads) == 1
+    assert again.exact_index.matches(ids) == (stored, earlier) == _sql_answer(again, ids) and len(loads) == 1
 
 
 def test_prompts_and_chains_another_writer_stored_are_found(tmp_path):
@@ -62,14 +62,14 @@ def test_prompts_and_chains_another_writer_stored_are_found(tmp_path):
     path = tmp_path / "l.duckdb"
     ours, other = LineageStore(path), LineageStore(path)  # another process, as far as each knows
     first = decide_outcomes(_records(["an unrelated first prompt " * 5]), FORMATS, ours, NearDedupeConfig(), None)
-    ours.write_discover_batch("run1", first.records, first.prompts, first.minhash)
-    assert ours.exact_matches([first.records[0]["prompt_id"]])[0] == {first.records[0]["prompt_id"]}  # loaded
+    ours.discover.write_batch("run1", first.records, first.prompts, first.minhash)
+    assert ours.exact_index.matches([first.records[0]["prompt_id"]])[0] == {first.records[0]["prompt_id"]}  # loaded
 
     theirs = decide_outcomes(_records([case["edit"], case["base"]], start=1), FORMATS, other, NearDedupeConfig(), None)
-    other.write_discover_batch("run2", theirs.records, theirs.prompts, theirs.minhash)
+    other.discover.write_batch("run2", theirs.records, theirs.prompts, theirs.minhash)
     edit_id, base_id = theirs.records[0]["prompt_id"], theirs.records[1]["prompt_id"]
     assert [r["outcome"] for r in theirs.records] == ["kept", "near_duplicate"]
-    stored, earlier = ours.exact_matches([edit_id, base_id])
+    stored, earlier = ours.exact_index.matches([edit_id, base_id])
     assert stored == {edit_id} and earlier == {base_id: (edit_id, theirs.records[1]["similarity"])}
     # So a record of the base text after them is an exact duplicate naming their kept prompt.
     again = decide_outcomes(_records([case["upper"]], start=3), FORMATS, ours, NearDedupeConfig(), None)
@@ -80,17 +80,17 @@ def test_a_row_naming_a_prompt_that_is_not_stored_leaves_the_chain_to_the_store(
     case = _reported_case()
     store = LineageStore(tmp_path / "l.duckdb")
     warm = decide_outcomes(_records(["an unrelated first prompt " * 5]), FORMATS, store, NearDedupeConfig(), None)
-    store.write_discover_batch("run1", warm.records, warm.prompts, warm.minhash)
-    store.exact_matches(["0" * 32])  # the index is loaded, and told of each batch from now on
+    store.discover.write_batch("run1", warm.records, warm.prompts, warm.minhash)
+    store.exact_index.matches(["0" * 32])  # the index is loaded, and told of each batch from now on
     batch = decide_outcomes(_records([case["edit"], case["base"]], start=1), FORMATS, store, NearDedupeConfig(), None)
     edit_id, base_id = batch.records[0]["prompt_id"], batch.records[1]["prompt_id"]
     # As old code wrote it: an exact duplicate naming the base, itself a near duplicate of the edit.
     legacy = {**batch.records[1], "record_key": "L9", "prompt_id": "f" * 32, "outcome": "exact_duplicate",
               "duplicate_of": base_id, "similarity": None}
-    store.write_discover_batch("old", batch.records + [legacy], batch.prompts, batch.minhash)
+    store.discover.write_batch("old", batch.records + [legacy], batch.prompts, batch.minhash)
     ids = [edit_id, base_id, "f" * 32]
-    assert store.exact_matches(ids) == _sql_answer(store, ids)
-    assert store.exact_matches(ids)[1]["f" * 32][0] == edit_id  # followed through the base
+    assert store.exact_index.matches(ids) == _sql_answer(store, ids)
+    assert store.exact_index.matches(ids)[1]["f" * 32][0] == edit_id  # followed through the base
 
 
 def test_runs_stay_under_their_cap_and_a_key_keeps_the_values_it_came_with_first(monkeypatch):

@@ -1,6 +1,6 @@
 """Draft export: engine layer-id rules, SGLang's loader semantics, round trips in both formats, and a
-refusal on load for each silent failure of CONTRACTS.md (2 layers.0 keys, 3 eagle_config, 4 layer
-ids, 5 d2t, 6 fc / lm_head)."""
+refusal on load for each silent failure of docs/contracts.md (2 layers.0 keys, 3 eagle_config, 4 layer
+ids, 5 d2t, 6 fc / lm_head), in the serving contract's words (serving/contract.py, the doctor's)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tasks.model.draft import DraftConfig, Eagle3Draft, load_target_embeddings
-from tasks.export.checkpoint import (CheckpointError, check_sglang, export_sglang, export_speculators, load_draft, load_sglang,
-                          load_speculators, sglang_capture_layers, sglang_layer_ids, sglang_load_report,
-                          vllm_capture_layers, vllm_layer_ids)
+from serving.draft_folder import CheckpointError
+from serving.sglang.export import check_sglang, export_sglang, load_sglang
+from serving.sglang.layers import sglang_capture_layers, sglang_layer_ids
+from serving.sglang.loader import sglang_load_report
+from serving.vllm.export import export_speculators, load_speculators
+from serving.vllm.layers import vllm_capture_layers, vllm_layer_ids
+from tasks.export.checkpoint import load_draft
 
 from helpers import edit_export
 
@@ -72,7 +76,7 @@ def _refused(folder: Path, match: str, loader=load_sglang, **kwargs) -> Checkpoi
 # ---- layer ids --------------------------------------------------------------------------------------
 
 def test_sglang_capture_rule_before_and_since_pr25454():
-    # CONTRACTS: [1, 29, 57] captures the same layers in both versions; [2, 30, 58] only since.
+    # docs/contracts.md: [1, 29, 57] captures the same layers in both versions; [2, 30, 58] only since.
     for version in ("before-pr25454", "since-pr25454"):
         assert sglang_capture_layers([1, 29, 57], 61, version) == [1, 29, 57]
     assert sglang_capture_layers([2, 30, 58], 61, "since-pr25454") == [1, 29, 57]
@@ -250,7 +254,7 @@ def test_sglang_export_for_one_version_when_both_cannot_be_served(tmp_path):
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [3, 15, 27]
     assert load_sglang(folder).config.aux_layer_ids == (2, 14, 26)
     # Served by the other version, the same file captures other layers: refused when that version is named.
-    _refused(folder, r"before-pr25454 capture layers \[3, 15, 27\]", sglang_version="before-pr25454")
+    _refused(folder, r"before-pr25454 capture\(s\) layers \[3, 15, 27\]", sglang_version="before-pr25454")
 
 
 # ---- the silent failures, each refused on load ---------------------------------------------------------
@@ -269,9 +273,9 @@ def test_refuses_draft_model_prefix(sglang_folder):
 
 
 @pytest.mark.parametrize("edit, match", [
-    (lambda c: c.pop("eagle_config"), "eagle_config.eagle_aux_hidden_state_layer_ids is missing"),
+    (lambda c: c.pop("eagle_config"), r"eagle_config \(with eagle_aux_hidden_state_layer_ids\) is missing"),
     (lambda c: c.update(eagle_aux_hidden_state_layer_ids=c.pop("eagle_config")["eagle_aux_hidden_state_layer_ids"]),
-     "top-level eagle_aux_hidden_state_layer_ids is ignored"),
+     "only at the top level .*which SGLang ignores"),
     (lambda c: c["eagle_config"].update(use_aux_hidden_state=False), "use_aux_hidden_state"),
 ])
 def test_refuses_missing_eagle_config_failure_3(sglang_folder, edit, match):
@@ -282,19 +286,20 @@ def test_refuses_layer_ids_off_by_one_failure_4(sglang_folder, draft):
     # Ids written in SGLang's "captured before layer j" spelling: since PR #25454 that captures
     # the trained layers, before it the next ones.
     _edit(sglang_folder, config=lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 15, 27]))
-    err = _refused(sglang_folder, r"before-pr25454 capture layers \[2, 15, 27\], the draft was trained on layers "
+    err = _refused(sglang_folder, r"before-pr25454 capture\(s\) layers \[2, 15, 27\] but the draft was trained on "
                                   r"\[1, 14, 26\]")
     assert not any("since-pr25454" in p for p in err.problems)
     # Without our record, the caller's expectation is what the ids are checked against.
     _edit(sglang_folder, config=lambda c: c.pop("eagle3_pipeline"))
-    _refused(sglang_folder, "captures? .*layers", expected_aux_layer_ids=[1, 14, 26], target_num_layers=LAYERS)
+    _refused(sglang_folder, r"capture\(s\) layers", expected_aux_layer_ids=[1, 14, 26], target_num_layers=LAYERS)
     # Served only by SGLang since PR #25454 (named), the same file reads the trained layers.
     assert check_sglang(sglang_folder, expected_aux_layer_ids=[1, 14, 26], target_num_layers=LAYERS,
                         sglang_version="since-pr25454") == []
 
 
 def test_refuses_layer_ids_other_than_expected(sglang_folder):
-    _refused(sglang_folder, r"records aux layers \[1, 14, 26\] but \[1, 13, 26\]", expected_aux_layer_ids=[1, 13, 26])
+    _refused(sglang_folder, r"record says the draft was trained on layers \[1, 14, 26\], lineage / the caller says "
+                            r"\[1, 13, 26\]", expected_aux_layer_ids=[1, 13, 26])
 
 
 @pytest.mark.parametrize("edit, match", [
@@ -308,10 +313,10 @@ def test_refuses_bad_d2t_failure_5(sglang_folder, edit, match):
 
 
 @pytest.mark.parametrize("edit, match", [
-    (lambda t: t.__setitem__("fc.weight", t["fc.weight"][:, : 2 * H].contiguous()), r"fc.weight .*3 x hidden"),
+    (lambda t: t.__setitem__("fc.weight", t["fc.weight"][:, : 2 * H].contiguous()), r"fc.weight .*3 x target hidden"),
     (lambda t: t.pop("fc.weight"), "fc.weight is missing"),
     (lambda t: t.pop("lm_head.weight"), "lm_head.weight is missing"),
-    (lambda t: t.__setitem__("lm_head.weight", torch.zeros(N_DRAFT + 1, H)), "lm_head.weight has shape"),
+    (lambda t: t.__setitem__("lm_head.weight", torch.zeros(N_DRAFT + 1, H)), f"lm_head.weight has {N_DRAFT + 1} rows"),
     (lambda t: t.__setitem__("midlayer.self_attn.q_proj.weight", torch.zeros(64, H)), r"2 x hidden"),
 ])
 def test_refuses_bad_fc_or_lm_head_failure_6(sglang_folder, edit, match):
@@ -357,8 +362,8 @@ def test_speculators_format_and_round_trip(draft, tmp_path):
 
 @pytest.mark.parametrize("edit, match", [
     (lambda c: c.pop("norm_before_residual"), "norm_before_residual"),
-    (lambda c: c.pop("eagle_aux_hidden_state_layer_ids"), "missing at top level"),
-    (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 14, 26]), r"capture layers \[0, 13, 25\]"),
+    (lambda c: c.pop("eagle_aux_hidden_state_layer_ids"), "top-level eagle_aux_hidden_state_layer_ids is missing"),
+    (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 14, 26]), r"capture\(s\) layers \[0, 13, 25\]"),
     (lambda c: c["speculators_config"].pop("verifier"), "verifier.name_or_path"),
 ])
 def test_speculators_refusals(draft, tmp_path, edit, match):

@@ -19,9 +19,12 @@ import torch
 from safetensors.torch import load_file
 
 from serving.llamacpp.export import (GGUF_ARCHITECTURE, REQUIRED_TENSORS, GGUFExportError, export_gguf, gguf_draft_problems,
-                               llamacpp_capture_layers, llamacpp_layer_ids, read_gguf_draft, target_folder_for)
+                                     read_gguf_draft, target_folder_for)
+from serving.llamacpp.layers import llamacpp_capture_layers, llamacpp_layer_ids
 
 from helpers import TARGET_CACHE, random_smollm2_export
+
+pytestmark = pytest.mark.slow  # starts servers, vLLM or `eagle3` processes: not in `make test-fast`
 
 N_DRAFT, LAYERS, HIDDEN, VOCAB = 256, 30, 576, 49152  # SmolLM2-135M: 30 layers, hidden 576
 
@@ -139,7 +142,7 @@ def test_a_corrupted_draft_config_is_refused_before_converting(default_ids, tmp_
     config = json.loads((copy / "config.json").read_text())
     del config["eagle_config"]
     (copy / "config.json").write_text(json.dumps(config))
-    from tasks.export.checkpoint import CheckpointError
+    from serving.draft_folder import CheckpointError
 
     with pytest.raises(CheckpointError, match="eagle_config"):
         export_gguf(copy, tmp_path, tmp_path / "draft.gguf")

@@ -27,11 +27,13 @@ from tasks.extract.plan import delete_consumed_shards, read_shard
 
 from helpers import conversations, extract_config, import_generations
 
+pytestmark = pytest.mark.slow  # starts servers, vLLM or `eagle3` processes: not in `make test-fast`
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def sample_rows(store: LineageStore) -> list[tuple]:
-    return store.query_readonly(
+    return store.reports.query_readonly(
         "SELECT generation_id, outcome, shard, shard_index, sample_id, reason FROM samples ORDER BY generation_id")[1]
 
 
@@ -39,7 +41,7 @@ def shard_contents(workspace: Path, store: LineageStore) -> dict[str, list[str]]
     """Sample ids held by each live shard, read back through its checksum."""
     shards = ShardStore(workspace / "shards", 1 << 40)
     out = {}
-    for name, row in store.live_shards().items():
+    for name, row in store.extraction.live_shards().items():
         _, ids, _ = read_shard(shards, name, row["sha256"])
         out[name] = ids
     return out
@@ -81,7 +83,7 @@ def test_extract_end_to_end_states_equal_a_direct_forward(prefect_api, tmp_path,
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
-    name, row = next(iter(store.live_shards().items()))
+    name, row = next(iter(store.extraction.live_shards().items()))
     records, _, meta = read_shard(ShardStore(workspace / "shards", 1 << 40), name, row["sha256"])
     assert json.loads(meta["aux_layer_ids"]) == s.aux_layer_ids
     rec = records[-1]
@@ -92,12 +94,12 @@ def test_extract_end_to_end_states_equal_a_direct_forward(prefect_api, tmp_path,
     torch.testing.assert_close(rec.final_hidden.float(), hs[-1][0].bfloat16().float(), rtol=0, atol=0)
 
     # The vocab and its lineage; a second run has nothing left to do and changes nothing.
-    _, vocab = store.query_readonly("SELECT draft_vocab_size, coverage, counted_samples FROM draft_vocabs")
+    _, vocab = store.reports.query_readonly("SELECT draft_vocab_size, coverage, counted_samples FROM draft_vocabs")
     assert vocab[0][0] == 512 and 0 < vocab[0][1] <= 1 and vocab[0][2] == 24
     again = extract(extract_config(workspace, tiny_target))
     assert again.pending_at_start == 0 and again.shards_written == 0
     assert_exactly_once(workspace, store, 25)
-    _, progress = store.progress()
+    _, progress = store.reports.progress()
     extract_row = [r for r in progress if r[0] == "extract"][0]
     assert extract_row[1:4] == (24, 0, 1)  # done, pending, failed
 
@@ -113,23 +115,23 @@ def test_rounds_fill_the_budget_and_continue_after_consumed_shards_are_deleted(p
         s = extract(cfg)
         rounds += 1
         assert s.peak_disk_bytes <= budget and shards.used_bytes() <= budget
-        live = store.live_shards()
+        live = store.extraction.live_shards()
         assert not set(live) & seen  # every round writes new shards; deleted ones never come back
         if s.stopped_by == "done":
             break
         assert s.stopped_by == "budget" and s.shards_written > 0
         # a training run reads the round, then frees it
-        store.mark_shards_read("train-test", sorted(live), epoch=0)
+        store.extraction.mark_shards_read("train-test", sorted(live), epoch=0)
         assert len(delete_consumed_shards(store, shards)) == len(live)
         seen |= set(live)
         assert rounds < 20
     assert rounds >= 3
     rows = sample_rows(store)
     assert len(rows) == len({r[0] for r in rows}) == n
-    _, states = store.query_readonly("SELECT state, count(*) FROM shards GROUP BY 1 ORDER BY 1")
+    _, states = store.reports.query_readonly("SELECT state, count(*) FROM shards GROUP BY 1 ORDER BY 1")
     assert dict(states)["deleted"] >= 2
     with pytest.raises(Exception, match="never consumed"):
-        store.mark_shard_deleted(next(k for k, v in store.live_shards().items() if v["state"] == "written"))
+        store.extraction.mark_shard_deleted(next(k for k, v in store.extraction.live_shards().items() if v["state"] == "written"))
 
 
 def test_a_vocab_fixed_on_a_thin_first_round_is_flagged_when_later_rounds_bring_tokens_it_lacks(
@@ -144,7 +146,7 @@ def test_a_vocab_fixed_on_a_thin_first_round_is_flagged_when_later_rounds_bring_
     assert first.extracted == 6 and first.extracted_vocab_coverage == first.vocab_coverage == 1.0
     assert first.vocab_warning is None
     store = LineageStore(workspace / "lineage.duckdb")
-    _, built = store.query_readonly(f"SELECT report FROM draft_vocabs WHERE vocab_id = '{first.vocab_id}'")
+    _, built = store.reports.query_readonly(f"SELECT report FROM draft_vocabs WHERE vocab_id = '{first.vocab_id}'")
     assert "ids were never seen" in json.loads(built[0][0])["warning"]
     # four words, in both halves of the samples: each half's vocab covers the other; later rounds are judged by it
     assert json.loads(built[0][0])["expected_coverage"] == first.vocab_expected_coverage == 1.0
@@ -155,7 +157,7 @@ def test_a_vocab_fixed_on_a_thin_first_round_is_flagged_when_later_rounds_bring_
     assert second.extracted_vocab_coverage < 0.9
     assert f"covers {second.extracted_vocab_coverage:.1%} of the" in second.vocab_warning
     assert "against the 100.0% expected of new tokens" in second.vocab_warning
-    _, runs = store.query_readonly(f"SELECT summary FROM runs WHERE run_id = '{second.run_id}'")
+    _, runs = store.reports.query_readonly(f"SELECT summary FROM runs WHERE run_id = '{second.run_id}'")
     assert json.loads(runs[0][0])["vocab_warning"] == second.vocab_warning
     # The remedy the warning names: another size builds a vocab from every generation so far.
     rebuilt = extract(cfg.model_copy(update={"draft_vocab_size": cfg.draft_vocab_size + 1}))
@@ -168,7 +170,7 @@ def test_a_vocab_from_another_workspace_is_used_byte_for_byte_and_its_coverage_o
     # Workspace A builds a vocab from varied data; workspace B, holding four-word answers only, is given it.
     import_generations(workspace, tmp_path, conversations(12, seed=5), name="varied")
     built = extract(extract_config(workspace, tiny_target))
-    (vfile,) = LineageStore(workspace / "lineage.duckdb").query_readonly(
+    (vfile,) = LineageStore(workspace / "lineage.duckdb").reports.query_readonly(
         f"SELECT file FROM draft_vocabs WHERE vocab_id = '{built.vocab_id}'")[1][0]
     other = tmp_path / "other"
     other.mkdir()
@@ -186,7 +188,7 @@ def test_a_vocab_from_another_workspace_is_used_byte_for_byte_and_its_coverage_o
     assert s.vocab_id == built.vocab_id and s.extracted == 6  # the same bytes, so the same id
     assert s.vocab_coverage == built.vocab_coverage  # the coverage it was built with, in A
     store = LineageStore(other / "lineage.duckdb")
-    _, rows = store.query_readonly("SELECT file, coverage, counted_samples, report FROM draft_vocabs")
+    _, rows = store.reports.query_readonly("SELECT file, coverage, counted_samples, report FROM draft_vocabs")
     assert len(rows) == 1 and rows[0][0] != vfile and (other / rows[0][0]).read_bytes() == (workspace / vfile).read_bytes()
     report = json.loads(rows[0][3])
     assert rows[0][2] == 6 and report["given"] == str(workspace / vfile)
@@ -242,7 +244,7 @@ def test_a_shard_whose_samples_all_quarantine_does_not_let_a_later_run_reuse_a_l
     second = extract(extract_config(workspace, tiny_target, shard_bytes=1))
     assert (second.extracted, second.shards_written) == (3, 3)
     store = LineageStore(workspace / "lineage.duckdb")
-    names = sorted(store.live_shards())
+    names = sorted(store.extraction.live_shards())
     assert len(names) == len(set(names)) == 5
     assert_exactly_once(workspace, store, 6)
 
@@ -251,7 +253,7 @@ def test_a_corrupted_shard_is_detected_by_its_checksum(prefect_api, tmp_path, wo
     import_generations(workspace, tmp_path, conversations(6, seed=4))
     extract(extract_config(workspace, tiny_target))
     store = LineageStore(workspace / "lineage.duckdb")
-    name, row = next(iter(store.live_shards().items()))
+    name, row = next(iter(store.extraction.live_shards().items()))
     path = workspace / "shards" / name
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01  # one bit in the tensor data: safetensors alone would not notice
@@ -290,7 +292,7 @@ def test_kill_9_during_extraction_then_resume_has_no_duplicates_or_gaps(prefect_
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert_exactly_once(workspace, store, n)
-    _, crashed = store.query_readonly("SELECT count(*) FROM runs WHERE flow = 'extract' AND state = 'CRASHED'")
+    _, crashed = store.reports.query_readonly("SELECT count(*) FROM runs WHERE flow = 'extract' AND state = 'CRASHED'")
     assert crashed[0][0] == kills
 
 
@@ -303,13 +305,13 @@ def test_the_real_smollm2_target_with_fp8_and_topk(prefect_api, tmp_path, worksp
 
     assert s.target_dtype == resolve_target_dtype("auto", "cpu")
     store = LineageStore(workspace / "lineage.duckdb")
-    name, row = next(iter(store.live_shards().items()))
+    name, row = next(iter(store.extraction.live_shards().items()))
     records, _, meta = read_shard(ShardStore(workspace / "shards", 1 << 40), name, row["sha256"])
     rec = records[0]
     assert rec.aux_hidden.dtype == torch.float8_e4m3fn and rec.aux_hidden.shape[1] == 3 * 576
     assert rec.topk_ids.shape[1] == 8 and rec.final_hidden is None
     from tasks.extract.vocab import load_vocab
 
-    (vfile,) = store.query_readonly("SELECT file FROM draft_vocabs")[1][0]
+    (vfile,) = store.reports.query_readonly("SELECT file FROM draft_vocabs")[1][0]
     vocab = load_vocab(workspace / vfile)
     assert vocab.t2d[rec.topk_ids.long().numpy()].all()  # the teacher only names draft-vocab tokens

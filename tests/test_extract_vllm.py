@@ -16,6 +16,8 @@ from tasks.extract.hf_backend import ExtractSettings, Extracted, HFExtractor, de
 from tasks.extract.vllm_backend import VllmExtractor, load_final_norm_and_head, rms_norm
 from tasks.model.target import load_configured_target, load_configured_target_files
 
+pytestmark = pytest.mark.slow  # starts servers, vLLM or `eagle3` processes: not in `make test-fast`
+
 N_SAMPLES = 6
 # Stored states are bf16 (8 significant bits): two float32 engines whose sums differ in the last
 # bits can round one element to neighbouring bf16 values, one step apart, and a step is at most
@@ -168,7 +170,7 @@ def test_extract_flow_on_the_vllm_backend(prefect_api, tmp_path, workspace, smol
     assert not any((workspace / "vllm-states").iterdir())  # every state file was read and deleted
     assert "extract_hidden_states" in (workspace / "logs" / "vllm-server.log").read_text()
 
-    name, row = next(iter(store.live_shards().items()))
+    name, row = next(iter(store.extraction.live_shards().items()))
     records, _, _ = read_shard(ShardStore(workspace / "shards", 1 << 40), name, row["sha256"])
     H = model.config.hidden_size
     for rec in records:

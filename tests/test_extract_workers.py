@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import flows.extract
+import tasks.extract.fill
 from flows.extract import extract
 from storage.datasets import file_sha256
 from storage.lineage import LineageStore
@@ -32,6 +32,8 @@ from tasks.extract.vocab import build_draft_vocab, save_vocab
 from helpers import conversations, extract_config, import_generations
 from test_extract_flow import assert_exactly_once, sample_rows
 
+pytestmark = pytest.mark.slow  # starts servers, vLLM or `eagle3` processes: not in `make test-fast`
+
 
 def records_by_generation(workspace: Path) -> dict[str, dict[str, torch.Tensor]]:
     """Every stored record's tensors, keyed by generation id (read back through the checksums)."""
@@ -39,7 +41,7 @@ def records_by_generation(workspace: Path) -> dict[str, dict[str, torch.Tensor]]
     gen_of = {r[4]: r[0] for r in sample_rows(store) if r[1] == "extracted"}
     shards = ShardStore(workspace / "shards", 1 << 40)
     out = {}
-    for name, row in store.live_shards().items():
+    for name, row in store.extraction.live_shards().items():
         records, ids, _ = read_shard(shards, name, row["sha256"])
         for sid, rec in zip(ids, records):
             out[gen_of[sid]] = {k: getattr(rec, k) for k in RECORD_KEYS if getattr(rec, k) is not None}
@@ -67,7 +69,7 @@ def test_two_workers_store_the_same_records_as_one_process(prefect_api, tmp_path
     assert (two.tokens, two.masked_tokens, two.bytes_written) == (one.tokens, one.masked_tokens, one.bytes_written)
     store = LineageStore(ws2 / "lineage.duckdb")
     assert_exactly_once(ws2, store, 12)
-    _, progress = store.progress()
+    _, progress = store.reports.progress()
     assert next(r for r in progress if r[0] == "extract")[1:4] == (12, 0, 0)  # done, pending, failed
 
     a, b = records_by_generation(ws1), records_by_generation(ws2)
@@ -104,7 +106,7 @@ def test_two_workers_hold_the_disk_budget_and_survive_a_crash_between_write_and_
     watcher.start()
     try:
         # 1. The flow dies after a worker wrote its second shard, before committing it.
-        real_commit, commits = flows.extract._commit, []
+        real_commit, commits = tasks.extract.fill._commit, []
 
         def dying_commit(*args, **kwargs):
             commits.append(1)
@@ -112,11 +114,11 @@ def test_two_workers_hold_the_disk_budget_and_survive_a_crash_between_write_and_
                 raise RuntimeError("simulated crash between shard write and lineage commit")
             return real_commit(*args, **kwargs)
 
-        monkeypatch.setattr(flows.extract, "_commit", dying_commit)
+        monkeypatch.setattr(tasks.extract.fill, "_commit", dying_commit)
         with pytest.raises(RuntimeError, match="simulated crash"):
             extract(cfg)
-        monkeypatch.setattr(flows.extract, "_commit", real_commit)
-        assert len(store.live_shards()) == 1
+        monkeypatch.setattr(tasks.extract.fill, "_commit", real_commit)
+        assert len(store.extraction.live_shards()) == 1
         assert len(list(shards.folder.iterdir())) >= 2  # the uncommitted file(s) the workers left
 
         # 2. The next run removes them, extracts their samples again, and stops at the budget.
@@ -125,14 +127,14 @@ def test_two_workers_hold_the_disk_budget_and_survive_a_crash_between_write_and_
         assert first.stopped_by == "budget" and first.shards_written >= 3 and len(first.worker_pids) == 2
         assert first.peak_disk_bytes <= budget and shards.used_bytes() <= budget
         assert_exactly_once(workspace, store, len(sample_rows(store)))
-        round_one = set(store.live_shards())
+        round_one = set(store.extraction.live_shards())
 
         # 3. A training run reads the round and frees it; the next extract continues and finishes.
-        store.mark_shards_read("train-test", sorted(round_one), epoch=0)
+        store.extraction.mark_shards_read("train-test", sorted(round_one), epoch=0)
         assert len(delete_consumed_shards(store, shards)) == len(round_one)
         last = extract(cfg)
         assert last.stopped_by == "done" and last.peak_disk_bytes <= budget and shards.used_bytes() <= budget
-        assert not set(store.live_shards()) & round_one
+        assert not set(store.extraction.live_shards()) & round_one
     finally:
         stop.set()
         watcher.join()
@@ -145,7 +147,7 @@ def test_two_workers_hold_the_disk_budget_and_survive_a_crash_between_write_and_
 
 def assert_exactly_once_in_lineage(store: LineageStore, n: int) -> None:
     """Across rounds (deleted shards included): every extracted sample has one (shard, slot), none shared."""
-    _, rows = store.query_readonly("SELECT shard, shard_index FROM samples WHERE outcome = 'extracted'")
+    _, rows = store.reports.query_readonly("SELECT shard, shard_index FROM samples WHERE outcome = 'extracted'")
     assert len(rows) == len(set(rows)) == n
 
 

@@ -43,7 +43,7 @@ def discover_config(ws: Path, sources: dict[str, Path], fraction: float, cap: in
 
 
 def rows(ws: Path, sql: str) -> list[tuple]:
-    return LineageStore(ws / "lineage.duckdb").query_readonly(sql)[1]
+    return LineageStore(ws / "lineage.duckdb").reports.query_readonly(sql)[1]
 
 
 def outcome_rows(ws: Path) -> dict[tuple[str, str], tuple[str, str, str | None]]:

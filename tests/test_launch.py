@@ -19,9 +19,12 @@ import torch
 
 from serving.client import Endpoint, ServerPool
 from serving.llamacpp.server import LlamaCppServer, ServerStartError, port_free
-from serving.launch import (BaselineSpec, kimi_k25_baseline, sglang_baseline_command, validate_baseline_command,
-                            vllm_baseline_command)
+from serving.launch import BaselineSpec, kimi_k25_baseline, validate_baseline_command
+from serving.sglang.server import sglang_baseline_command
+from serving.vllm.server import vllm_baseline_command
 from tasks.model.target import greedy_generate, load_target, smollm2_gguf_path
+
+pytestmark = pytest.mark.slow  # starts servers, vLLM or `eagle3` processes: not in `make test-fast`
 
 GGUF = smollm2_gguf_path()
 # One conversion per machine, shared across runs (the first takes ~20 s; later loads < 1 s).

@@ -12,7 +12,7 @@ import pytest
 import storage.connection
 from storage.lineage import LineageStore
 from storage.minhash_index import MinhashIndex, NearIndexStore, params_folder
-from storage.schema import MIGRATIONS
+from storage.migrations import MIGRATIONS
 from tasks.config import NearDedupeConfig
 from tasks.discover.dedupe import band_keys, lsh_params, signatures
 from tasks.discover.outcomes import backfill_signatures, decide_outcomes, minhash_params_key
@@ -54,26 +54,26 @@ def test_a_crash_between_segment_write_and_registration_leaves_a_file_that_is_re
     # The reference: both batches written without a crash.
     ref = LineageStore(tmp_path / "ref" / "lineage.duckdb")
     b1 = decide_outcomes(first, FORMATS, ref, NEAR, None)
-    ref.write_discover_batch("r1", b1.records, b1.prompts, b1.minhash)
+    ref.discover.write_batch("r1", b1.records, b1.prompts, b1.minhash)
     expected = _outcomes(decide_outcomes(second, FORMATS, ref, NEAR, None).records)
     assert sum(o == "near_duplicate" for _, o, _, _ in expected) == 30
 
     store = LineageStore(tmp_path / "ws" / "lineage.duckdb")
     b1 = decide_outcomes(first, FORMATS, store, NEAR, None)
-    real_execute_registry = NearIndexStore._insert_minhash
+    real_execute_registry = NearIndexStore.insert_segment
 
     def crash_after_files(self, con, params, ids, sig, keys):
         real_execute_registry(self, con, params, ids, sig, keys)  # files written and registered ...
         raise KeyboardInterrupt("killed before commit")  # ... but the transaction never commits
 
-    monkeypatch.setattr(NearIndexStore, "_insert_minhash", crash_after_files)
+    monkeypatch.setattr(NearIndexStore, "insert_segment", crash_after_files)
     with pytest.raises(KeyboardInterrupt):
-        store.write_discover_batch("r1", b1.records, b1.prompts, b1.minhash)
+        store.discover.write_batch("r1", b1.records, b1.prompts, b1.minhash)
     monkeypatch.undo()
     left = _segment_files(store)
     assert len(left) == 3  # one segment's ids, sig and keys, never registered
-    assert store.query_readonly("SELECT count(*) FROM minhash_segments")[1] == [(0,)]
-    assert store.query_readonly("SELECT count(*) FROM prompts")[1] == [(0,)]
+    assert store.reports.query_readonly("SELECT count(*) FROM minhash_segments")[1] == [(0,)]
+    assert store.reports.query_readonly("SELECT count(*) FROM prompts")[1] == [(0,)]
 
     # The rerun (a new process): the unregistered files go when the index is opened, the replayed
     # batch is committed, and the next batch gets the same outcomes as without the crash.
@@ -81,12 +81,12 @@ def test_a_crash_between_segment_write_and_registration_leaves_a_file_that_is_re
     replay = decide_outcomes(first, FORMATS, again, NEAR, None)
     assert _segment_files(again) == []
     assert _outcomes(replay.records) == _outcomes(b1.records)
-    again.write_discover_batch("r1", replay.records, replay.prompts, replay.minhash)
-    assert again.query_readonly("SELECT sum(rows) FROM minhash_segments")[1] == [(60,)]
+    again.discover.write_batch("r1", replay.records, replay.prompts, replay.minhash)
+    assert again.reports.query_readonly("SELECT sum(rows) FROM minhash_segments")[1] == [(60,)]
     assert _outcomes(decide_outcomes(second, FORMATS, again, NEAR, None).records) == expected
     # Replaying a committed batch indexes nothing twice: its prompts are stored already.
-    again.write_discover_batch("r1", replay.records, replay.prompts, replay.minhash)
-    assert again.query_readonly("SELECT sum(rows), count(*) FROM minhash_segments")[1] == [(60, 1)]
+    again.discover.write_batch("r1", replay.records, replay.prompts, replay.minhash)
+    assert again.reports.query_readonly("SELECT sum(rows), count(*) FROM minhash_segments")[1] == [(60, 1)]
     assert len(_segment_files(again)) == 3
 
 
@@ -95,16 +95,16 @@ def test_a_second_store_object_sees_segments_another_process_registered(tmp_path
     mine, theirs = LineageStore(path), LineageStore(path)
     base = _texts(3, 40)
     first = decide_outcomes(_records(base), FORMATS, mine, NEAR, None)  # loads (an empty) index in `mine`
-    mine.write_discover_batch("a", first.records, first.prompts, first.minhash)
+    mine.discover.write_batch("a", first.records, first.prompts, first.minhash)
     other = decide_outcomes(_records(_texts(4, 40), start=100), FORMATS, theirs, NEAR, None)
-    theirs.write_discover_batch("b", other.records, other.prompts, other.minhash)
+    theirs.discover.write_batch("b", other.records, other.prompts, other.minhash)
     # `mine` had its index loaded before `theirs` wrote: the next lookup picks their segment up.
     near_theirs = [_edit(t, k) for k, t in enumerate(_texts(4, 40)[:10])]
     batch = decide_outcomes(_records(near_theirs, start=200), FORMATS, mine, NEAR, None)
     kept_by_theirs = {r["prompt_id"] for r in other.records if r["outcome"] == "kept"}
     assert [r["outcome"] for r in batch.records] == ["near_duplicate"] * 10
     assert {r["duplicate_of"] for r in batch.records} <= kept_by_theirs
-    assert mine.near_index(minhash_params_key(NEAR), NEAR.num_perm, 16).size == 80
+    assert mine.near_index.load(minhash_params_key(NEAR), NEAR.num_perm, 16).size == 80
 
 
 def test_an_old_schema_workspace_upgrades_and_still_finds_a_near_duplicate(tmp_path, monkeypatch):
@@ -119,19 +119,19 @@ def test_an_old_schema_workspace_upgrades_and_still_finds_a_near_duplicate(tmp_p
     sig = signatures(base, NEAR.num_perm, NEAR.ngram, NEAR.shingle)
     keys = band_keys(sig, bands, rows)
     ids = [r["prompt_id"] for r in batch.records]
-    with old.write() as con:
-        old._insert_discover(con, "old", storage.connection._now(), batch.records, batch.prompts, None)
+    with old.db.write() as con:
+        old.discover.insert_batch(con, "old", storage.connection.utc_now(), batch.records, batch.prompts, None)
         for pid, s, k in zip(ids, sig, keys):
             con.execute("INSERT INTO prompt_minhash VALUES (?, ?, ?)", [pid, params, s.tobytes()])
             con.executemany("INSERT INTO prompt_lsh_bands VALUES (?, ?, ?, ?)",
                             [[params, b, int(k[b]), pid] for b in range(bands)])
-    assert old.schema_version() == 11
+    assert old.db.schema_version() == 11
     monkeypatch.undo()
 
     store = LineageStore(path)
     assert backfill_signatures(store, NEAR) == 20  # the index is built from the stored prompts
-    assert store.schema_version() == max(v for v, _, _ in MIGRATIONS)
-    tables = {t for (t,) in store.query_readonly("SELECT table_name FROM information_schema.tables")[1]}
+    assert store.db.schema_version() == max(v for v, _, _ in MIGRATIONS)
+    tables = {t for (t,) in store.reports.query_readonly("SELECT table_name FROM information_schema.tables")[1]}
     assert "prompt_minhash" not in tables and "prompt_lsh_bands" not in tables
     assert backfill_signatures(store, NEAR) == 0
     again = decide_outcomes(_records([_edit(base[7], 7)], start=50), FORMATS, LineageStore(path), NEAR, None)
@@ -142,7 +142,7 @@ def _db_bytes_for(tmp_path, name: str, near: NearDedupeConfig, texts: list[str])
     store = LineageStore(tmp_path / name / "lineage.duckdb")
     for k in range(0, len(texts), 10_000):
         batch = decide_outcomes(_records(texts[k : k + 10_000], start=k), FORMATS, store, near, None)
-        store.write_discover_batch("r", batch.records, batch.prompts, batch.minhash)
+        store.discover.write_batch("r", batch.records, batch.prompts, batch.minhash)
     return store.path.stat().st_size
 
 

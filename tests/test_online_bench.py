@@ -62,6 +62,7 @@ def prompts(n: int, tag: str = "p") -> list[str]:
 # ---------------------------------------------------------------- baseline: the real llama.cpp server
 
 
+@pytest.mark.slow  # starts a server: not in `make test-fast`
 @pytest.mark.timeout(120)
 def test_baseline_on_the_real_llama_cpp_server(tmp_path):
     chat = [{"role": "user", "content": "Name three colours."}]

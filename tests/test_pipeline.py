@@ -21,6 +21,8 @@ from serving.llamacpp.server import free_port, port_free
 from storage.lineage import LineageStore
 from storage.schema import EXAMPLE_QUERIES
 
+pytestmark = pytest.mark.slow  # starts servers, vLLM or `eagle3` processes: not in `make test-fast`
+
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("discover", "regenerate", "extract", "train", "benchmark")
 BUDGET = 6 * 2**20
@@ -55,7 +57,7 @@ def _run(config: Path, *args: str, timeout: int = 900) -> subprocess.CompletedPr
 
 
 def _ids(store: LineageStore) -> dict[str, list]:
-    q = lambda sql: [r[0] if len(r) == 1 else r for r in store.query_readonly(sql)[1]]  # noqa: E731
+    q = lambda sql: [r[0] if len(r) == 1 else r for r in store.reports.query_readonly(sql)[1]]  # noqa: E731
     return {
         "prompts": q("SELECT prompt_id FROM prompts ORDER BY 1"),
         "generations": q("SELECT generation_id FROM generations ORDER BY 1"),
@@ -66,8 +68,8 @@ def _ids(store: LineageStore) -> dict[str, list]:
 def check_end_state(ws: Path) -> dict:
     """What every finished pipeline must satisfy, whatever happened on the way."""
     store = LineageStore(ws / "lineage.duckdb")
-    q = lambda sql: store.query_readonly(sql)[1]  # noqa: E731
-    report = store.pipeline_report("slice")
+    q = lambda sql: store.reports.query_readonly(sql)[1]  # noqa: E731
+    report = store.reports.pipeline("slice")
     # every record decided once; the counts reconcile
     assert report["records_in"] == 12 and sum(report["record_outcomes"].values()) == 12
     assert q("SELECT count(*), count(DISTINCT record_key) FROM records") == [(12, 12)]
@@ -102,7 +104,7 @@ def test_the_whole_pipeline_runs_end_to_end_on_the_embedded_default(finished):
     ws, config, done = finished
     report = check_end_state(ws)
     store = LineageStore(ws / "lineage.duckdb")
-    rounds = store.query_readonly("SELECT count(*) FROM train_rounds WHERE run_name = 'slice'")[1][0][0]
+    rounds = store.reports.query_readonly("SELECT count(*) FROM train_rounds WHERE run_name = 'slice'")[1][0][0]
     assert rounds >= 2  # the budget filled and emptied at least once
     # the closing summary names the numbers, the lineage file and the runnable example queries
     out = done.stdout
@@ -112,7 +114,7 @@ def test_the_whole_pipeline_runs_end_to_end_on_the_embedded_default(finished):
     assert out.count("eagle3 sql -w") == len(EXAMPLE_QUERIES)
     assert "…" not in out, "a table column was cut"
     # the pipeline's own lineage row records each stage, every round included
-    stages = json.loads(store.query_readonly(
+    stages = json.loads(store.reports.query_readonly(
         "SELECT summary FROM runs WHERE flow = 'pipeline' AND state = 'COMPLETED'")[1][0][0])["stages"]
     assert [s["stage"].split(" ")[0] for s in stages] == ["discover", "regenerate"] + ["extract", "train"] * rounds + [
         "probe", "benchmark"]
@@ -141,7 +143,7 @@ def test_running_it_again_finds_everything_done(finished):
     before = _ids(LineageStore(ws / "lineage.duckdb"))
     again = _run(config, "run")
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    summary = json.loads(LineageStore(ws / "lineage.duckdb").query_readonly(
+    summary = json.loads(LineageStore(ws / "lineage.duckdb").reports.query_readonly(
         "SELECT summary FROM runs WHERE flow = 'pipeline' AND state = 'COMPLETED' ORDER BY started_at DESC LIMIT 1")[1][0][0])
     detail = {s["stage"].split(" ")[0]: s for s in summary["stages"]}
     assert "records_in=0" in detail["discover"]["detail"]  # every record already seen
@@ -166,7 +168,7 @@ def _kill_inside(config: Path, ws: Path, stage: str, port: int) -> bool:
     try:
         while time.monotonic() < deadline:
             assert proc.poll() is None, f"the pipeline ended before its {stage} stage was killed"
-            if store.path.exists() and store.query_readonly(running)[1][0][0]:
+            if store.path.exists() and store.reports.query_readonly(running)[1][0][0]:
                 break
             time.sleep(0.1)
         else:
@@ -179,7 +181,7 @@ def _kill_inside(config: Path, ws: Path, stage: str, port: int) -> bool:
         if port_free("127.0.0.1", port):
             break
         time.sleep(0.1)
-    return bool(store.query_readonly(running)[1][0][0])
+    return bool(store.reports.query_readonly(running)[1][0][0])
 
 
 def test_a_kill_9_inside_each_stage_in_turn_then_resume_loses_and_duplicates_nothing(finished, tmp_path):
@@ -193,26 +195,26 @@ def test_a_kill_9_inside_each_stage_in_turn_then_resume_loses_and_duplicates_not
     for stage in STAGES:
         for _ in range(3):  # again if the stage ended just before the kill landed
             landed = _kill_inside(config, ws, stage, port)
-            before_resume |= set(map(_hashable, store.query_readonly(written)[1]))
+            before_resume |= set(map(_hashable, store.reports.query_readonly(written)[1]))
             if landed:
                 break
         assert landed, f"three kills aimed at {stage} all landed after it ended"
     # each stage was interrupted in turn (a later start marks the dead process's rows CRASHED)
-    killed = store.query_readonly("SELECT DISTINCT flow FROM runs WHERE state IN ('RUNNING', 'CRASHED')")[1]
+    killed = store.reports.query_readonly("SELECT DISTINCT flow FROM runs WHERE state IN ('RUNNING', 'CRASHED')")[1]
     assert {f for (f,) in killed} >= set(STAGES) | {"pipeline"}
 
     done = _run(config, "run")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     check_end_state(ws)
-    crashed = store.query_readonly("SELECT flow, count(*) FROM runs WHERE state = 'CRASHED' GROUP BY 1")[1]
+    crashed = store.reports.query_readonly("SELECT flow, count(*) FROM runs WHERE state = 'CRASHED' GROUP BY 1")[1]
     assert {f for f, _ in crashed} >= set(STAGES) | {"pipeline"}
-    assert not store.query_readonly("SELECT * FROM runs WHERE state = 'RUNNING'")[1]
+    assert not store.reports.query_readonly("SELECT * FROM runs WHERE state = 'RUNNING'")[1]
     # the same prompts, generations and extracted samples as the uninterrupted run
     assert _ids(store) == _ids(LineageStore(ws_a / "lineage.duckdb"))
     # and no generation written before a kill was rewritten after it. Their texts are not compared with
     # the uninterrupted run's: the server decodes its slots together, and a greedy answer can change with
     # what shares its batch (float rounding), which a resume changes (seen in CI: 65 tokens against 72).
-    after = set(map(_hashable, store.query_readonly(written)[1]))
+    after = set(map(_hashable, store.reports.query_readonly(written)[1]))
     assert before_resume and before_resume <= after
     assert all(tokens > 0 for _, _, tokens, _ in after)
 

@@ -20,9 +20,12 @@ from flows.discover import discover
 from flows.regenerate import regenerate
 from serving.llamacpp.server import free_port
 from serving.scripted_server import answer_for
+from storage.generations import Generations
 from storage.lineage import LineageStore
 from tasks.config import DiscoverConfig, RegenerateConfig
 from tasks.regenerate.answers import flags_for, generation_id
+
+pytestmark = pytest.mark.slow  # starts servers, vLLM or `eagle3` processes: not in `make test-fast`
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,7 +47,7 @@ def discover_prompts(ws: Path, tmp: Path, rows: list[dict]) -> list[tuple[str, l
     discover(DiscoverConfig.model_validate({
         "workspace": str(ws), "sources": [{"name": "p", "kind": "file", "path": str(tmp / "prompts.json")}],
         "decontaminate": {"enabled": False}, "near_dedupe": {"enabled": False}}))
-    return LineageStore(ws / "lineage.duckdb").pending_prompts("none", True, None)
+    return LineageStore(ws / "lineage.duckdb").generations.pending_prompts("none", True, None)
 
 
 def expected_all_mode(messages: list[dict], max_tokens: int) -> list[dict]:
@@ -80,7 +83,7 @@ def regen_config(ws: Path, urls: list[str], **extra) -> RegenerateConfig:
 def generated(ws: Path) -> dict[str, dict]:
     """Every generation in the registered Parquet files, by prompt id (asserting no duplicates)."""
     store = LineageStore(ws / "lineage.duckdb")
-    _, files = store.query_readonly("SELECT file, params_key FROM generation_files")
+    _, files = store.reports.query_readonly("SELECT file, params_key FROM generation_files")
     rows = []
     for name, key in files:
         rows += pq.read_table(ws / "data" / "generations" / key / name).to_pylist()
@@ -103,7 +106,7 @@ def test_faulty_servers_every_prompt_generated_or_failed_with_reason(prefect_api
 
     gens = generated(workspace)
     store = LineageStore(workspace / "lineage.duckdb")
-    _, fails = store.query_readonly("SELECT p.messages[1].content, f.reason, f.attempts FROM generation_failures f JOIN prompts p USING (prompt_id)")
+    _, fails = store.reports.query_readonly("SELECT p.messages[1].content, f.reason, f.attempts FROM generation_failures f JOIN prompts p USING (prompt_id)")
     assert fails == [("POISON pill", fails[0][1], 6)] and "HTTP 500" in fails[0][1]
     for prompt_id, messages in prompts:
         if "POISON" in messages[0]["content"]:
@@ -115,7 +118,7 @@ def test_faulty_servers_every_prompt_generated_or_failed_with_reason(prefect_api
         assert all(t["finish_reason"] == "stop" and t["endpoint"] in (faulty, healthy) for t in g["turns"])
     empty = next(g for g in gens.values() if "EMPTY" in g["messages"][0]["content"])
     assert empty["flags"] == ["empty"]
-    _, flagged = store.query_readonly("SELECT count(*) FROM generations WHERE len(flags) > 0")
+    _, flagged = store.reports.query_readonly("SELECT count(*) FROM generations WHERE len(flags) > 0")
     assert flagged == [(1,)]
 
     # A rerun generates nothing; --retry-failed retries only the failure (which fails again).
@@ -123,8 +126,8 @@ def test_faulty_servers_every_prompt_generated_or_failed_with_reason(prefect_api
     assert again.pending_at_start == 0 and again.generated == 0
     retried = regenerate(cfg.model_copy(update={"retry_failed": True}))
     assert retried.pending_at_start == 1 and retried.failed == 1
-    assert store.query_readonly("SELECT count(*) FROM generation_failures")[1] == [(2,)]
-    _, prog = store.query_readonly("SELECT done, pending, failed, tokens > 0 FROM progress WHERE stage = 'regenerate'")
+    assert store.reports.query_readonly("SELECT count(*) FROM generation_failures")[1] == [(2,)]
+    _, prog = store.reports.query_readonly("SELECT done, pending, failed, tokens > 0 FROM progress WHERE stage = 'regenerate'")
     assert prog == [(len(prompts) - 1, 0, 1, True)]
 
 
@@ -177,9 +180,9 @@ def test_imports_skip_the_server_and_pass_discover_checks(prefect_api, scripted,
     imp = next(g for g in gens.values() if g["origin"] == "import")
     assert imp["input_ids"] == [1, 2, 3, 4, 5] and imp["messages"][-1]["content"] == "target answer"
     store = LineageStore(workspace / "lineage.duckdb")
-    _, outs = store.query_readonly("SELECT record_key, outcome FROM record_outcomes WHERE source = 'import:seed' ORDER BY 1")
+    _, outs = store.reports.query_readonly("SELECT record_key, outcome FROM record_outcomes WHERE source = 'import:seed' ORDER BY 1")
     assert outs == [("L1", "kept"), ("L2", "contaminated"), ("L3", "kept"), ("L4", "quarantined")]
-    _, lin = store.query_readonly("SELECT origin, completion_tokens, has_token_ids FROM generations ORDER BY origin")
+    _, lin = store.reports.query_readonly("SELECT origin, completion_tokens, has_token_ids FROM generations ORDER BY origin")
     assert lin[0] == ("import", 3, True)
     assert regenerate(cfg).imported == 0  # importing again adds nothing
 
@@ -207,7 +210,7 @@ def test_kill_9_five_times_then_resume_gives_exactly_the_expected_generations(pr
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 120
         while time.time() < deadline and p.poll() is None:
-            if store.query_readonly("SELECT count(*) FROM generations")[1][0][0] >= target:
+            if store.reports.query_readonly("SELECT count(*) FROM generations")[1][0][0] >= target:
                 break
             time.sleep(0.05)
         time.sleep(rng.uniform(0, 0.3))  # anywhere: mid-request, mid-file-write, mid-commit
@@ -215,7 +218,7 @@ def test_kill_9_five_times_then_resume_gives_exactly_the_expected_generations(pr
         # is no longer ours to signal (ProcessLookupError, or another process's pid)
         p.send_signal(signal.SIGKILL)
         p.wait()
-        partial.append(store.query_readonly("SELECT count(*) FROM generations")[1][0][0])
+        partial.append(store.reports.query_readonly("SELECT count(*) FROM generations")[1][0][0])
     assert partial[-1] < len(prompts), "the kills must land before the work is done"
     out = subprocess.run([sys.executable, "-m", "flows.cli", "regenerate", "--config", str(cfg_path)], cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
@@ -224,11 +227,11 @@ def test_kill_9_five_times_then_resume_gives_exactly_the_expected_generations(pr
     key = next(iter(gens.values()))["params_key"]
     assert set(gens) == {pid for pid, _ in prompts}
     assert {g["generation_id"] for g in gens.values()} == {generation_id(pid, key) for pid, _ in prompts}
-    _, n = store.query_readonly("SELECT count(*), count(DISTINCT generation_id), count(DISTINCT prompt_id) FROM generations")
+    _, n = store.reports.query_readonly("SELECT count(*), count(DISTINCT generation_id), count(DISTINCT prompt_id) FROM generations")
     assert n == [(len(prompts), len(prompts), len(prompts))]
     # nothing left on disk that the lineage store does not know
     on_disk = {p.name for p in (workspace / "data" / "generations" / key).iterdir()}
-    assert on_disk == {f for (f,) in store.query_readonly("SELECT file FROM generation_files")[1]}
+    assert on_disk == {f for (f,) in store.reports.query_readonly("SELECT file FROM generation_files")[1]}
 
 
 def test_sglang_generate_returns_token_ids(scripted):
@@ -319,7 +322,7 @@ def test_regenerate_with_the_embedded_llama_cpp_server(prefect_api, tmp_path, wo
     _, tokenizer = load_target()
     checks = [tokenise_generation(tokenizer, g["messages"], g["turns"][-1], 4096) for g in gens.values()]
     assert [c.id_check for c in checks] == ["match", "match"], [c.mismatch for c in checks]
-    _, lineage = LineageStore(workspace / "lineage.duckdb").query_readonly(
+    _, lineage = LineageStore(workspace / "lineage.duckdb").reports.query_readonly(
         "SELECT DISTINCT has_token_ids, server_build FROM generations")
     assert len(lineage) == 1 and lineage[0][0] is True and lineage[0][1].startswith("llama.cpp b")
     # the server is gone once the flow returns
@@ -331,15 +334,15 @@ def test_an_import_interrupted_before_its_commit_is_redone(prefect_api, scripted
     path = tmp_path / "seed.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}) + "\n")
     cfg = regen_config(workspace, [scripted()], imports=[{"name": "seed", "path": str(path)}])
-    real = LineageStore.write_generations
+    real = Generations.write
 
     def crash(self, *a, **kw):
         raise RuntimeError("power cut")
 
-    monkeypatch.setattr(LineageStore, "write_generations", crash)
+    monkeypatch.setattr(Generations, "write", crash)
     with pytest.raises(Exception, match="power cut"):
         regenerate(cfg)
-    monkeypatch.setattr(LineageStore, "write_generations", real)
+    monkeypatch.setattr(Generations, "write", real)
     summary = regenerate(cfg)
     assert summary.imported == 1  # the records were not marked seen without their generation
     assert summary.requeued_files == 1  # the file written before the crash was removed

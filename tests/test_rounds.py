@@ -7,7 +7,8 @@ import torch
 
 from storage.shards import ShardStore
 from tasks.extract.hf_backend import ExtractSettings, HFExtractor
-from tasks.extract.plan import extract_key, pack_results, plan_shard, predicted_shard_bytes, sample_id, tokenize_key
+from tasks.extract.plan import pack_results, plan_shard, predicted_shard_bytes
+from tasks.ids import extract_key, sample_id, tokenize_key
 
 
 def _tiny():

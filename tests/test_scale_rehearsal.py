@@ -1,6 +1,6 @@
 """The scale rehearsal's parts at a small size: its sources and its production-like scripted server.
 
-benchmarks/scale_rehearsal.py reports numbers that rest on two claims tested here: the 10 built
+benchmarks/rehearsals/scale.py reports numbers that rest on two claims tested here: the 10 built
 sources are what the report says they are (every format reads back, the cut file is reported as
 cut, the bad rows are quarantined with a reason, nothing else is lost), and the scripted TP-8 server
 answers with the drawn lengths and counts its busy slot-time correctly (the saturation figure is
@@ -10,22 +10,19 @@ computed from that counter). Bounds only, never speed.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
-from pathlib import Path
 
 import httpx
+import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.rehearsals import sources as rehearsal
+from serving.client import Endpoint, RetryPolicy, ServerPool
+from serving.scripted_server import drawn_length, long_answer, spawn
+from tasks.config import SourceConfig
+from tasks.discover.prompts import Quarantine, normalise_record
+from tasks.discover.sources import read_source
 
-import rehearsal_sources as rehearsal  # noqa: E402
-
-from serving.client import Endpoint, RetryPolicy, ServerPool  # noqa: E402
-from serving.scripted_server import drawn_length, long_answer, spawn  # noqa: E402
-from tasks.config import SourceConfig  # noqa: E402
-from tasks.discover.prompts import Quarantine, normalise_record  # noqa: E402
-from tasks.discover.sources import read_source  # noqa: E402
+pytestmark = pytest.mark.slow  # starts scripted servers: not in `make test-fast`
 
 
 def test_rehearsal_sources_read_back_with_the_cut_and_the_bad_rows_reported(tmp_path):

@@ -1,21 +1,14 @@
-"""The scaling study's bookkeeping (benchmarks/scaling.py, benchmarks/scaling_results.py): which points
+"""The scaling study's bookkeeping (benchmarks/studies/scaling.py, benchmarks/studies/scaling_results.py): which points
 exist, which generations a size takes, what a rerun skips, and the tables and plot. Pure functions, no
 server, no model."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location("scaling", Path(__file__).resolve().parent.parent / "benchmarks" / "scaling.py")
-scaling = importlib.util.module_from_spec(_spec)
-sys.modules["scaling"] = scaling  # dataclasses look their module up
-_spec.loader.exec_module(scaling)
-
-from benchmarks import scaling_results  # noqa: E402  (importable once scaling.py put the root on the path)
+from benchmarks.studies import scaling, scaling_results
 
 
 def test_sizes_double_up_to_max_size():
@@ -78,7 +71,7 @@ def test_table_lists_every_point_in_size_order(tmp_path):
 def test_an_ablation_arm_changes_only_its_fields_and_refuses_a_bad_one():
     from tasks.config import load_config
 
-    cfg = load_config(Path(__file__).resolve().parent.parent / "benchmarks" / "scaling.yaml")
+    cfg = load_config(Path(__file__).resolve().parent.parent / "benchmarks" / "studies" / "scaling.yaml")
     change = scaling.parse_change("train.schedule=cosine, train.total_steps=60")
     assert change == {"train.schedule": "cosine", "train.total_steps": 60}
     extract, train = scaling.changed_configs(cfg, change)

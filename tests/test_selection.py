@@ -106,13 +106,13 @@ def _discover(ws: Path, path: Path, **heldout) -> None:
 def test_discover_tags_every_stored_prompt_and_a_rerun_tags_what_is_missing(prefect_api, tmp_path, workspace):
     _discover(workspace, _catalog(tmp_path))
     store = LineageStore(workspace / "lineage.duckdb")
-    q = lambda sql: store.query_readonly(sql)[1]  # noqa: E731
+    q = lambda sql: store.reports.query_readonly(sql)[1]  # noqa: E731
     assert q("SELECT count(*) FROM prompts") == q("SELECT count(*) FROM prompt_tags") == [(24,)]
     clusters = dict(q("SELECT cluster, count(*) FROM prompt_clusters GROUP BY 1"))
     assert clusters == {"code": 6, "math": 6, "writing": 6, "general": 6}
-    assert store.cluster_pool(TAGGER) == clusters
+    assert store.selection.cluster_pool(TAGGER) == clusters
     # tags lost (or a tagger change): the next discover, or tag_untagged, tags them again, once
-    with store.write() as con:
+    with store.db.write() as con:
         con.execute("DELETE FROM prompt_tags WHERE cluster = 'math'")
     assert tag_untagged(store) == 6 and tag_untagged(store) == 0
     assert dict(q("SELECT cluster, count(*) FROM prompt_clusters GROUP BY 1")) == clusters
@@ -122,7 +122,7 @@ def test_acceptance_selection_sends_more_where_the_probe_is_low_and_lineage_says
                                                                                     workspace):
     _discover(workspace, _catalog(tmp_path, n_each=10))
     store = LineageStore(workspace / "lineage.duckdb")
-    store.write_probe([{"probe_id": "p1", "checkpoint": "ck", "export_dir": "/x", "tagger": TAGGER, "cluster": c,
+    store.selection.write_probe([{"probe_id": "p1", "checkpoint": "ck", "export_dir": "/x", "tagger": TAGGER, "cluster": c,
                         "domain": "code" if c == "code" else "chat", "prompts": 4, "verify_rounds": 10,
                         "completion_tokens": int(a * 10), "acceptance": a, "k": 3, "max_new_tokens": 48,
                         "prompt_ids": ["h"], "run_id": None}
@@ -133,7 +133,7 @@ def test_acceptance_selection_sends_more_where_the_probe_is_low_and_lineage_says
         "sampling": {"max_tokens": 16}, "limit": 12, "selection": "acceptance", "selection_strength": 2.0})
     summary = regenerate(cfg)
     assert summary.generated == 12
-    q = lambda sql: store.query_readonly(sql)[1]  # noqa: E731
+    q = lambda sql: store.reports.query_readonly(sql)[1]  # noqa: E731
     sent = dict(q("SELECT s.cluster, count(*) FROM prompt_selections s JOIN generations g USING (prompt_id) "
                   "GROUP BY 1"))
     assert sum(sent.values()) == 12 and sent["code"] >= 5  # a quarter of the pool, at least 5 of 12 of the batch
@@ -154,11 +154,11 @@ def test_the_probe_measures_each_cluster_past_the_benchmarks_prompts_once_per_ex
 
     _discover(workspace, _catalog(tmp_path), heldout={"fraction": 0.5, "cap": 100})
     store = LineageStore(workspace / "lineage.duckdb")
-    held = store.heldout_tagged(TAGGER)
+    held = store.selection.heldout_tagged(TAGGER)
     assert len(held) >= 6 and len({c for _, _, c in held}) >= 2
     export = random_smollm2_export(tiny_target, tmp_path / "draft", aux=(1, 3, 5))
-    run_id = store.begin_run("train", {}, "t", None, None)
-    store.register_checkpoint(run_id, {"checkpoint": "ck1", "run_name": "t", "step": 1, "format": "sglang",
+    run_id = store.runs.begin("train", {}, "t", None, None)
+    store.checkpoints.register(run_id, {"checkpoint": "ck1", "run_name": "t", "step": 1, "format": "sglang",
                                        "path": str(export), "sha256": "-", "rounds": 1, "target": "tiny",
                                        "target_revision": "-", "aux_layer_ids": [1, 3, 5], "vocab_id": "-",
                                        "extract_key": "-"})
@@ -172,6 +172,6 @@ def test_the_probe_measures_each_cluster_past_the_benchmarks_prompts_once_per_ex
         assert r["prompt_ids"] == [p for p, _ in expected[r["cluster"]]]
         assert not set(r["prompt_ids"]) & {p for p, _, _ in held[:2]}  # never the benchmark's
         assert r["prompts"] == len(r["prompt_ids"]) and r["completion_tokens"] > 0 and r["acceptance"] >= 1.0
-    assert [r["cluster"] for r in store.latest_probe(TAGGER)] == sorted(expected)
+    assert [r["cluster"] for r in store.selection.latest_probe(TAGGER)] == sorted(expected)
     again = probe(cfg)
     assert again.skipped and "already probed" in again.skipped and again.probe_id == summary.probe_id

@@ -1,5 +1,5 @@
-"""The selection study's bookkeeping (benchmarks/selection_study.py) and the answer cache it runs arms
-through (benchmarks/answer_cache.py, a real process on loopback in front of a scripted server)."""
+"""The selection study's bookkeeping (benchmarks/studies/selection.py) and the answer cache it runs arms
+through (benchmarks/studies/answer_cache.py, a real process on loopback in front of a scripted server)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.scaling_results import append_result, ratio_interval
-from benchmarks.selection_study import ARMS, arm_config, merge_points, plot, ratio_cell, report, tokens_to_reach
+from benchmarks.studies.scaling_results import append_result, ratio_interval
+from benchmarks.studies.selection import ARMS, arm_config, merge_points, plot, ratio_cell, report, tokens_to_reach
 from serving.llamacpp.server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +56,7 @@ def test_the_ratio_interval_is_a_paired_bootstrap_over_prompts():
 def test_each_arm_gets_its_workspace_selection_seed_and_the_proxy():
     from tasks.config import load_config
 
-    cfg = load_config(ROOT / "benchmarks" / "selection.yaml")
+    cfg = load_config(ROOT / "benchmarks" / "studies" / "selection.yaml")
     arms = {a: arm_config(cfg, Path("/tmp/sel"), a, "http://127.0.0.1:1", "rev", "tmpl") for a in ARMS}
     for arm, c in arms.items():
         assert {c.workspace, c.regenerate.workspace, c.extract.workspace, c.train.workspace,
@@ -131,8 +131,9 @@ def test_the_plot_draws_every_arm_that_has_points(tmp_path, monkeypatch):
 def test_the_answer_cache_answers_a_repeated_greedy_request_once(scripted, tmp_path):
     upstream = scripted()
     port = free_port()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "answer_cache.py"), "--upstream", upstream,
-                             "--port", str(port), "--cache", str(tmp_path / "cache")], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.studies.answer_cache", "--upstream", upstream,
+                             "--port", str(port), "--cache", str(tmp_path / "cache")], stdout=subprocess.PIPE, text=True,
+                            cwd=ROOT)
     try:
         url = f"http://127.0.0.1:{port}"
         for _ in range(100):
@@ -156,7 +157,7 @@ def test_the_answer_cache_answers_a_repeated_greedy_request_once(scripted, tmp_p
 
 
 def test_a_packed_cache_seeds_another_machines_cache_with_the_same_answers(tmp_path):
-    from benchmarks.answer_cache import pack, unpack
+    from benchmarks.studies.answer_cache import pack, unpack
 
     cache = tmp_path / "a"
     for key, answer in (("ab12", '{"content": "x"}'), ("cd34", '{"content": "y"}')):
@@ -175,7 +176,7 @@ def test_a_packed_cache_seeds_another_machines_cache_with_the_same_answers(tmp_p
 
 
 def test_a_run_on_a_fresh_machine_adds_its_points_to_the_kept_ones_and_keeps_the_earlier_machines(tmp_path):
-    from benchmarks.scaling_results import load_results
+    from benchmarks.studies.scaling_results import load_results
 
     kept, measured = tmp_path / "kept.jsonl", tmp_path / "measured.jsonl"
     for arm, size, acc in (("uniform", 12_500, 1.10), ("acceptance", 12_500, 1.11)):

@@ -13,10 +13,13 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 
 from flows.prefect_api import check_ui, deployment_ids
 from storage.lineage import LineageStore
+
+pytestmark = pytest.mark.slow  # starts servers, vLLM or `eagle3` processes: not in `make test-fast`
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -96,7 +99,7 @@ def test_serve_registers_schedules_shows_in_the_ui_and_runs_a_triggered_flow(pre
                 break
             time.sleep(1)
         assert state == "COMPLETED"
-        counts = LineageStore(ws / "lineage.duckdb").outcome_counts()
+        counts = LineageStore(ws / "lineage.duckdb").discover.outcome_counts()
         assert sum(counts.values()) == 6 and counts["kept"] >= 1
     finally:
         os.killpg(serve.pid, signal.SIGINT)

@@ -22,10 +22,13 @@ from flows.train import train
 from storage.datasets import file_sha256
 from storage.lineage import LineageStore
 from tasks.config import TrainConfig
-from tasks.export.checkpoint import check_sglang, check_speculators
+from serving.sglang.export import check_sglang
+from serving.vllm.export import check_speculators
 from tasks.train.steps import MODEL_FILE, list_checkpoints
 
 from helpers import conversations, extract_config, import_generations
+
+pytestmark = pytest.mark.slow  # starts servers, vLLM or `eagle3` processes: not in `make test-fast`
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,18 +53,18 @@ def test_a_round_learns_is_consumed_deleted_exported_and_traceable(extracted, tm
     store = LineageStore(ws / "lineage.duckdb")
     s = train(train_config(ws, tiny_target, epochs=8))
     assert s.stopped_by == "done" and s.rounds_done == 1 and s.resumed_from_step is None
-    metrics = store.train_metrics("t")
+    metrics = store.training.metrics("t")
     assert len(metrics) == s.step and [m["step"] for m in metrics] == list(range(1, s.step + 1))
     first, last = metrics[0], metrics[-1]
     assert last["loss"] < 0.8 * first["loss"]
     assert last["accuracy"][0] > 20 / 256  # well above chance over the 256-token draft vocab
     assert 0 <= min(last["conditional_accuracy"]) and max(last["conditional_accuracy"]) <= 1
-    _, states = store.query_readonly("SELECT DISTINCT state, consumed_by FROM shards")
+    _, states = store.reports.query_readonly("SELECT DISTINCT state, consumed_by FROM shards")
     assert states == [("deleted", "t")] and not list((ws / "shards").iterdir())
     assert not check_sglang(s.exports["sglang"]) and not check_speculators(s.exports["speculators"])
     assert Path(s.curves_png).stat().st_size > 1000
     # every exported checkpoint traces back to the samples, generations, prompts and source records
-    _, lineage = store.query_readonly(
+    _, lineage = store.reports.query_readonly(
         "SELECT format, count(DISTINCT sample_id), count(DISTINCT record_key) FROM checkpoint_lineage GROUP BY 1 ORDER BY 1")
     assert lineage == [("gguf", 24, 24), ("sglang", 24, 24), ("speculators", 24, 24)]
     # the llama.cpp GGUF: converted from the sglang export, layers named as llama.cpp captures them
@@ -69,7 +72,7 @@ def test_a_round_learns_is_consumed_deleted_exported_and_traceable(extracted, tm
 
     gguf = Path(s.exports["gguf"]) / "draft.gguf"
     assert read_gguf_draft(gguf).target_layers == [2, 4, 5]  # inputs of layers 2, 4, 5 = outputs of 1, 3, 4
-    _, rows = store.query_readonly("SELECT sha256, converter FROM checkpoints WHERE format = 'gguf'")
+    _, rows = store.reports.query_readonly("SELECT sha256, converter FROM checkpoints WHERE format = 'gguf'")
     assert rows == [(file_sha256(gguf), rows[0][1])] and rows[0][1].startswith("llama.cpp@")
 
     # the doctor passes the export, with the trained layers taken from lineage, and refuses the EAGLE flag
@@ -92,7 +95,7 @@ def test_a_round_learns_is_consumed_deleted_exported_and_traceable(extracted, tm
     assert extract(extract_config(ws, tiny_target, draft_vocab_size=256, shard_bytes=150_000)).extracted == 8
     again = train(train_config(ws, tiny_target, epochs=8))
     assert again.resumed_from_step == s.step and again.rounds_done == 2 and again.step > s.step
-    _, rounds = store.query_readonly("SELECT round, samples FROM train_rounds ORDER BY round")
+    _, rounds = store.reports.query_readonly("SELECT round, samples FROM train_rounds ORDER BY round")
     assert rounds == [(0, 24), (1, 8)]
 
 
@@ -109,7 +112,7 @@ def test_a_draft_started_from_the_target_head_checkpoints_the_targets_rows_and_f
     torch.testing.assert_close(weights["lm_head.weight"], target.lm_head.weight.detach()[rows], rtol=0, atol=1e-5)
     torch.testing.assert_close(weights["norm.weight"], target.model.norm.weight.detach(), rtol=0, atol=1e-5)
     # lineage records how the draft started
-    _, recorded = LineageStore(ws / "lineage.duckdb").query_readonly(
+    _, recorded = LineageStore(ws / "lineage.duckdb").reports.query_readonly(
         "SELECT json_extract_string(train_config, '$.init') FROM train_runs WHERE run_name = 't'")
     assert recorded == [("target_head",)]
 
@@ -162,7 +165,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(extracted, tmp_path, tin
     for k in wa:
         assert wa[k].equal(wb[k]), k  # bitwise: same batches, same order, same optimizer state
     sa, sb = (LineageStore(w / "lineage.duckdb") for w in (ws_a, ws_b))
-    ma, mb = sa.train_metrics("t"), sb.train_metrics("t")
+    ma, mb = sa.training.metrics("t"), sb.training.metrics("t")
     assert [m["loss"] for m in ma] == [m["loss"] for m in mb]
 
 
@@ -183,7 +186,7 @@ def test_two_gloo_processes_match_one_process_accumulating(extracted, tmp_path, 
     assert n1 == n2
     for k in w1:
         assert (w1[k].double() - w2[k].double()).abs().max() < 1e-5, k  # same update; only the summation order differs
-    _, by = LineageStore(ws_two / "lineage.duckdb").query_readonly("SELECT count(*) FROM runs WHERE flow = 'train'")
+    _, by = LineageStore(ws_two / "lineage.duckdb").reports.query_readonly("SELECT count(*) FROM runs WHERE flow = 'train'")
     assert by == [(1,)]  # one flow run (rank 0); the other rank writes nothing
 
 
@@ -222,7 +225,7 @@ def test_each_round_is_benchmarked_on_heldout_chat_and_the_curve_grows(extracted
     assert s2.rounds_done == 2
     b2 = benchmark(bench)
     store = LineageStore(ws / "lineage.duckdb")
-    points = [p for p in store.acceptance_curve() if p["drafter"] == "eagle3" and p["domain"] == "heldout_chat"]
+    points = [p for p in store.benchmarks.acceptance_curve() if p["drafter"] == "eagle3" and p["domain"] == "heldout_chat"]
     assert [(p["checkpoint"], p["training_conversations"]) for p in points] == [
         (b1.checkpoint, 24), (b2.checkpoint, 36)]
     assert b1.checkpoint == f"t/sglang-step-{s1.step:08d}" and b2.checkpoint == f"t/sglang-step-{s2.step:08d}"
@@ -244,7 +247,7 @@ def test_online_mode_trains_without_writing_shards(prefect_api, tmp_path, worksp
 
 def test_online_micro_batches_whose_samples_are_all_quarantined_are_skipped_and_counted(
         prefect_api, tmp_path, workspace, tiny_target, monkeypatch):
-    import flows.train as ft
+    import tasks.train.loop as ft
     from tasks.extract.hf_backend import Quarantined
 
     import_generations(workspace, tmp_path, conversations(10, seed=13))
@@ -275,7 +278,7 @@ def test_online_micro_batches_whose_samples_are_all_quarantined_are_skipped_and_
     assert t.last_loss is not None and t.last_loss == t.last_loss  # finite, not an error
     assert not check_sglang(t.exports["sglang"])
     store = LineageStore(workspace / "lineage.duckdb")
-    assert [m["step"] for m in store.train_metrics("t")] == list(range(1, t.step + 1))
+    assert [m["step"] for m in store.training.metrics("t")] == list(range(1, t.step + 1))
 
 
 def test_benchmark_checks_the_contract_first_then_reports_acceptance_with_baselines(extracted, tmp_path, tiny_target):
@@ -292,7 +295,7 @@ def test_benchmark_checks_the_contract_first_then_reports_acceptance_with_baseli
     assert set(b.acceptance) == {"eagle3", "eagle3-final-state-only", "prompt-lookup"}
     assert all(v is None or 1.0 <= v <= 4.0 for v in b.acceptance.values())
     assert b.lossless_checked > 0  # every output was checked equal to the target's greedy output
-    _, rows = LineageStore(ws / "lineage.duckdb").query_readonly(
+    _, rows = LineageStore(ws / "lineage.duckdb").reports.query_readonly(
         "SELECT count(*), count(DISTINCT drafter) FROM benchmark_results WHERE bench_id = ? AND checkpoint = ?"
         .replace("?", "'{}'").format(b.bench_id, b.checkpoint))
     assert rows[0][1] == 3 and rows[0][0] >= 6  # per drafter: all domains and humaneval
@@ -329,7 +332,7 @@ def test_benchmark_checks_the_contract_first_then_reports_acceptance_with_baseli
         spec_rows = [r for r in on.online_rows if r["config"] == "eagle3-k4"]
         assert all(r["accept_len_token_weighted"] == pytest.approx(2.5, abs=0.2) for r in spec_rows)
         assert on.break_even and all(b["beats_baseline"] for b in on.break_even)
-        _, kinds = LineageStore(ws / "lineage.duckdb").query_readonly(
+        _, kinds = LineageStore(ws / "lineage.duckdb").reports.query_readonly(
             f"SELECT kind, count(*) FROM benchmark_results WHERE bench_id = '{on.bench_id}' GROUP BY 1 ORDER BY 1")
         assert kinds == [("offline", 2), ("online", 4)]
         # a launch that does not speculate (acceptance ~1.0: the EAGLE flag) stops the benchmark with the causes

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 import tasks.model.draft as dm
-from tasks.model.draft import (DraftConfig, Eagle3Draft, _shift_left, load_target_embeddings, target_head_weight,
-                               ttt_attention, ttt_attention_mask)
+from tasks.model.attention import ttt_attention, ttt_attention_mask
+from tasks.model.draft import DraftConfig, Eagle3Draft, shift_left, load_target_embeddings, target_head_weight
 from tasks.train.ttt import Batch, collate, teacher_targets, trained_teacher_positions, ttt_loss
 from tasks.train.steps import make_optimizer, train_step
 
@@ -83,9 +83,9 @@ def ref_teacher(batch: Batch, draft: Eagle3Draft, target_head: torch.Tensor, chu
 
 
 def ref_step_targets(batch, probs, in_draft, step):
-    p = _shift_left(probs, step + 1)
-    trained = _shift_left(batch.loss_mask, step + 2, False)
-    return p, trained & _shift_left(in_draft, step + 1, False)
+    p = shift_left(probs, step + 1)
+    trained = shift_left(batch.loss_mask, step + 2, False)
+    return p, trained & shift_left(in_draft, step + 1, False)
 
 
 def ref_ttt_loss(draft, batch, steps, decay, probs, in_draft):
@@ -178,7 +178,7 @@ def _grads(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "portable"])
 def test_attention_equals_the_dense_reference_forward_and_backward(fused, monkeypatch):
     if not fused:
-        monkeypatch.setattr(dm, "FUSED_ATTENTION_DEVICES", ())
+        monkeypatch.setattr("tasks.model.attention.FUSED_ATTENTION_DEVICES", ())
     torch.manual_seed(0)
     b, nh, kvh, t, d = 3, 9, 3, 45, 64
     mask = torch.ones(b, t, dtype=torch.bool)

@@ -26,6 +26,8 @@ from storage.lineage import LineageStore
 
 from helpers import conversations, extract_config, import_generations, make_tiny_target
 
+pytestmark = pytest.mark.slow  # starts servers, vLLM or `eagle3` processes: not in `make test-fast`
+
 SPEC = ServerConfig("eagle3-k3", speculative=True, api="vllm", num_draft_tokens=3)
 BASE = ServerConfig("baseline", api="vllm")
 
@@ -175,7 +177,7 @@ def trained(vllm_target, tmp_path_factory, prefect_api):
 @pytest.mark.timeout(1200)
 def test_benchmark_flow_serves_the_draft_on_vllm(trained):
     from flows.benchmark import benchmark
-    from flows.cli import serving_view
+    from flows.tables import serving_view
     from tasks.config import BenchConfig
 
     ws, target, export = trained
@@ -204,11 +206,11 @@ def test_benchmark_flow_serves_the_draft_on_vllm(trained):
     assert Path(b.serving_pngs["vllm"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     store = LineageStore(ws / "lineage.duckdb")
-    _, stored = store.query_readonly(
+    _, stored = store.reports.query_readonly(
         f"SELECT config_label, concurrency, acceptance_by_position, server_build FROM benchmark_results "
         f"WHERE bench_id = '{b.bench_id}' AND kind = 'serving' ORDER BY config_label, concurrency")
     assert [(r[0], r[1]) for r in stored] == sorted((f"vllm/{c}", n) for c in configs for n in (1, 2))
-    report = store.pipeline_report("t")["serving"]
+    report = store.reports.pipeline("t")["serving"]
     assert sorted(serving_view(report)[1]) == sorted(serving_view(b.serving_rows)[1])
     assert [r for r in report if r.get("offline_agreement")][0]["offline_agreement"]["within_tolerance"] is True
 

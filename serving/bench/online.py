@@ -41,7 +41,7 @@ Api = Literal["sglang", "openai", "llamacpp", "vllm"]
 SPECULATIVE_APIS = ("sglang", "llamacpp", "vllm")  # the APIs whose responses carry draft/verify counters
 DRAFT_COUNTING_APIS = ("llamacpp", "vllm")  # per-request draft counters: a level that drafted nothing did not speculate
 
-# Why acceptance is low, most telling first (CONTRACTS.md, "Silent failures seen in the field").
+# Why acceptance is low, most telling first (docs/contracts.md, "Silent failures seen in the field").
 LIKELY_CAUSES: tuple[str, ...] = (
     (
         "wrong algorithm flag: --speculative-algorithm EAGLE instead of EAGLE3 (no aux hidden states are "
@@ -453,7 +453,7 @@ async def probe_acceptance(url: str | ServerConfig, prompts: Sequence[Prompt], t
         ratio = f" = {measured / k:.2f} with {k} draft tokens, i.e. ~1/num_draft_tokens" if k else ""
         lines.append(f"An acceptance length of ~1.0 (acceptance length / num_draft_tokens{ratio}) means almost no "
                      "draft token is accepted: check --speculative-algorithm EAGLE3 (not EAGLE) first.")
-    lines.append("Likely causes (CONTRACTS.md, silent failures):")
+    lines.append("Likely causes (docs/contracts.md, silent failures):")
     lines += [f"  - {cause}" for cause in LIKELY_CAUSES]
     raise AcceptanceTooLow("\n".join(lines), measured, threshold, level)
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from serving.doctor.core import Check, TargetInfo, load_target_info
-from tasks.export.checkpoint import CONFIG_FILE
+from serving.draft_folder import CONFIG_FILE
 
 
 def normalise_flags(args: Sequence[str], known: Sequence[str], aliases: Mapping[str, str]) -> tuple[list[str], list[str]]:

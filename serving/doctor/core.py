@@ -1,8 +1,9 @@
-"""The doctor's shared machinery: the report, the target, the draft folder as read, and the engine contract.
+"""The doctor's shared machinery: the report, the target, the engine contract and the context of the checks.
 
-Owns `Check`, `DoctorReport`, `TargetInfo` / `load_target_info`, `canonical_key`, the folder reading
-(only safetensors are read), `EngineContract` (what an engine module must say about itself), the
-`Context` every check shares and `expected_aux_layer_ids_from_lineage`. Promises: no engine's facts
+Owns `Check`, `DoctorReport`, `TargetInfo` / `load_target_info`, `EngineContract` (what an engine's
+package must say about itself), the `Context` every check shares and
+`expected_aux_layer_ids_from_lineage`. The draft folder as read is serving/draft_folder.py, the
+checks serving/contract.py. Promises: no engine's facts
 live here (only the `Engine` names, and the SGLang versions to check, which the context carries for
 the engine that needs them); what differs between engines is a field of the `EngineContract`.
 """
@@ -15,19 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from tasks.export.checkpoint import CONFIG_FILE, PROJECT_KEY, SGLANG_VERSIONS, WEIGHTS_FILE, SGLangVersion
+from serving.draft_folder import CONFIG_FILE, PROJECT_KEY, Folder, as_int, int_list
+from serving.sglang.layers import SGLANG_VERSIONS, SGLangVersion
 
 Engine = Literal["sglang", "vllm", "llamacpp"]
 
-# The tensors of an EAGLE-3 draft, by their project (and SGLang) names.
-MIDLAYER_KEYS = ("input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
-                 "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
-REQUIRED = ("fc.weight", *(f"midlayer.{k}" for k in MIDLAYER_KEYS), "norm.weight", "lm_head.weight", "d2t", "t2d")
-KNOWN = frozenset((*REQUIRED, "embed_tokens.weight"))
-PREFIXES = ("draft_model.", "model.")
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-LAYER_FIELDS = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size", "rms_norm_eps")
 # Folder checks `fix=True` repairs for every engine (besides its `ids_checks`); an engine adds its own
 # through `extra_repairs`.
 COMMON_FIXABLE = ("weight_keys", "vocab_mapping", "use_aux_hidden_state", "tie_word_embeddings")
@@ -144,80 +137,6 @@ def load_target_info(target: str | Path | Mapping[str, Any]) -> TargetInfo:
     if missing:
         raise ValueError(f"target config has no {', '.join(missing)}")
     return TargetInfo(int(text["hidden_size"]), int(text["vocab_size"]), int(text["num_hidden_layers"]), folder)
-
-
-def strip_prefixes(key: str) -> str:
-    while key.startswith(PREFIXES):
-        key = key.split(".", 1)[1]
-    return key
-
-
-def canonical_key(key: str) -> str:
-    """The project name of a checkpoint key: prefixes stripped, `layers.0.` spelled `midlayer.`."""
-    key = strip_prefixes(key)
-    return "midlayer." + key.removeprefix("layers.0.") if key.startswith("layers.0.") else key
-
-
-@dataclass
-class Folder:
-    path: Path
-    config: dict[str, Any]
-    shapes: dict[str, tuple[int, ...]]  # file key -> shape
-    weights: Path
-
-    @property
-    def canonical(self) -> dict[str, str]:
-        return {k: canonical_key(k) for k in self.shapes}
-
-    def shape(self, name: str) -> tuple[int, ...] | None:
-        """Shape of the tensor whose canonical name is `name` (the first such key)."""
-        return next((s for k, s in self.shapes.items() if canonical_key(k) == name), None)
-
-    def tensor(self, name: str) -> Any:
-        from safetensors import safe_open
-
-        key = next((k for k in self.shapes if canonical_key(k) == name), None)
-        if key is None:
-            return None
-        with safe_open(str(self.weights), framework="pt") as f:
-            return f.get_tensor(key)
-
-
-def read_folder(folder: Path) -> tuple[Folder | None, str | None]:
-    from safetensors import safe_open
-
-    if not folder.is_dir():
-        return None, f"{folder} is not a folder; give the exported draft folder (config.json + {WEIGHTS_FILE})"
-    cfg = folder / CONFIG_FILE
-    if not cfg.is_file():
-        return None, f"no {CONFIG_FILE} in {folder}; export the draft with tasks.export.checkpoint (export_sglang / export_speculators)"
-    try:
-        config = json.loads(cfg.read_text())
-    except json.JSONDecodeError as e:
-        return None, f"{CONFIG_FILE} is not valid JSON ({e}); re-export the draft"
-    weights = folder / WEIGHTS_FILE
-    if not weights.is_file():
-        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        hint = f" (found {pickles}: pickle checkpoints are never loaded)" if pickles else ""
-        return None, f"no {WEIGHTS_FILE}{hint}; re-export the draft as safetensors"
-    try:
-        with safe_open(str(weights), framework="pt") as f:
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 - a safetensors handle, not a dict
-    except Exception as e:  # noqa: BLE001 - any unreadable header means the file is not a usable safetensors file
-        return None, f"{WEIGHTS_FILE} is not a readable safetensors file ({e}); re-export the draft"
-    if not isinstance(config, dict):
-        return None, f"{CONFIG_FILE} is not a JSON object; re-export the draft"
-    return Folder(folder, config, shapes, weights), None
-
-
-def int_list(value: Any) -> list[int] | None:
-    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return [int(v) for v in value]
-    return None
-
-
-def as_int(value: Any) -> int | None:
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def default_capture(num_layers: int) -> list[int]:
@@ -351,7 +270,7 @@ def make_context(folder: Folder, contract: EngineContract, target: TargetInfo, e
 def expected_aux_layer_ids_from_lineage(lineage_db_path: str | Path, draft_dir: str | Path) -> list[int] | None:
     """The aux layers the checkpoint at `draft_dir` was trained on, from the lineage store's `checkpoints` table.
 
-    Read-only (LineageStore.query_readonly). Paths are compared resolved (a relative stored path is
+    Read-only (`store.reports.query_readonly`). Paths are compared resolved (a relative stored path is
     tried against the current directory and the store's folder). None when the store does not exist
     or has no row for this folder; ValueError when rows disagree with each other or with the
     extraction settings they name (the lineage would then not say which layers are right).
@@ -361,7 +280,7 @@ def expected_aux_layer_ids_from_lineage(lineage_db_path: str | Path, draft_dir: 
     db = Path(lineage_db_path).expanduser()
     if not db.exists():
         return None
-    _, rows = LineageStore(db).query_readonly(
+    _, rows = LineageStore(db).reports.query_readonly(
         "SELECT c.path, c.aux_layer_ids, e.settings FROM checkpoints c "
         "LEFT JOIN extract_settings e ON e.extract_key = c.extract_key")
     want = Path(draft_dir).expanduser().resolve()

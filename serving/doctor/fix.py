@@ -14,9 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from serving.doctor.checks import offsets_from_absolute
-from serving.doctor.core import PICKLE_SUFFIXES, Context, DoctorReport, canonical_key
-from tasks.export.checkpoint import CONFIG_FILE, PROJECT_KEY, WEIGHTS_FILE
+from serving.contract import offsets_from_absolute
+from serving.doctor.core import Context, DoctorReport
+from serving.draft_folder import CONFIG_FILE, PICKLE_SUFFIXES, PROJECT_KEY, WEIGHTS_FILE, canonical_key
 
 
 def fix(report: DoctorReport, ctx: Context, fix_dir: str | Path | None,

@@ -2,8 +2,9 @@
 
 Owns `CONTRACTS` (engine name -> its EngineContract: the one place an engine is registered),
 `ENGINES` and `run_doctor`. Promises: the checks are reported in one fixed order for every engine
-(files, the folder checks, the aux-layer checks, then the launch command's; an engine's own converted
-file, llama.cpp's GGUF, has its checks in its module), and nothing here branches on an engine's name.
+(files, the folder checks and aux-layer checks of serving/contract.py, then the launch command's; an
+engine's own converted file, llama.cpp's GGUF, has its checks in its package), and nothing here
+branches on an engine's name.
 """
 
 from __future__ import annotations
@@ -13,23 +14,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from serving.contract import check_folder
+from serving.doctor.core import Check, DoctorReport, Engine, EngineContract, TargetInfo, load_target_info
+from serving.doctor.fix import fix as fix_copy
+from serving.draft_folder import CONFIG_FILE, WEIGHTS_FILE, read_folder
+from serving.launch import engine_arguments
 from serving.llamacpp import doctor as llamacpp
 from serving.sglang import doctor as sglang
+from serving.sglang.layers import SGLANG_VERSIONS, SGLangVersion
 from serving.vllm import doctor as vllm
-from serving.doctor.checks import check_aux_layers, folder_checks
-from serving.doctor.core import (
-    Check,
-    DoctorReport,
-    Engine,
-    EngineContract,
-    TargetInfo,
-    load_target_info,
-    make_context,
-    read_folder,
-)
-from serving.doctor.fix import fix as fix_copy
-from serving.launch import engine_arguments
-from tasks.export.checkpoint import CONFIG_FILE, SGLANG_VERSIONS, WEIGHTS_FILE, SGLangVersion
 
 # A new engine: its module's CONTRACT here, and its name in core.Engine.
 CONTRACTS: dict[Engine, EngineContract] = {c.name: c for c in (sglang.CONTRACT, vllm.CONTRACT, llamacpp.CONTRACT)}
@@ -46,10 +39,6 @@ def _launch_checks(launch: str | Sequence[str], engine: Engine, draft: Path, tar
         return [Check("launch_command", False, f"the command does not start {engine}{hint}; expected `{expected}`")]
     checks = [Check("launch_command", True, f"starts {engine}")]
     return checks + CONTRACTS[engine].launch_checks(argv, args, draft, target)
-
-
-def _one(result: tuple[Check, dict[str, list[int | None]]]) -> tuple[list[Check], dict[str, list[int | None]]]:
-    return [result[0]], result[1]
 
 
 def run_doctor(draft_dir: str | Path, target: str | Path | Mapping[str, Any], engine: Engine = "sglang",
@@ -96,13 +85,12 @@ def run_doctor(draft_dir: str | Path, target: str | Path | Mapping[str, Any], en
             report.checks += _launch_checks(launch, engine, draft, info)
         return report
     report.checks.append(Check("files", True, f"{CONFIG_FILE} and {WEIGHTS_FILE}"))
-    ctx = make_context(folder, contract, info, expected_aux_layer_ids, sglang_version)
+    ctx, checks, captured = check_folder(folder, contract, info, expected_aux_layer_ids, sglang_version)
     archs = folder.config.get("architectures")
     report.architecture = archs[0] if isinstance(archs, list) and len(archs) == 1 else str(archs)
     report.hidden_size, report.draft_vocab_size = ctx.hidden, ctx.n_draft
-    aux, captured = contract.aux_checks(ctx) if contract.aux_checks is not None else _one(check_aux_layers(ctx))
     report.captured_layers = captured
-    report.checks += [*folder_checks(ctx), *aux]
+    report.checks += checks
     if live:
         report.checks += contract.live_checks(draft, target, ctx)
     if launch is not None:

@@ -1,7 +1,8 @@
 """llama.cpp's side of the serving contract: what its converter reads from a draft folder, what its
 loader reads from the converted GGUF, and what `llama-server` does with its launch command.
 
-Owns `CONTRACT` (registered in run.py). The draft is either the SGLang export that
+Owns `CONTRACT` (registered in serving/doctor/run.py); the launch-command checks are
+serving/llamacpp/doctor_launch.py, the shared folder checks serving/contract.py. The draft is either the SGLang export that
 `convert_hf_to_gguf.py` reads (the shared folder checks, read as the converter reads them) or the
 converted `.gguf` (or a folder holding exactly one), which has checks of its own. Promises: the facts
 are those of the pinned tree (llama-cpp-python 0.3.36, llama.cpp@0c1e570), file:line in comments;
@@ -12,8 +13,6 @@ repaired only by re-converting its own SGLang export (checked to be its source),
 
 from __future__ import annotations
 
-import functools
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -21,14 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from serving.doctor.checks import folder_checks
-from serving.doctor.command import one
-from serving.doctor.core import (Check, Context, DoctorReport, EngineContract, Folder, TargetInfo, as_int, int_list,
-                                 make_context, read_folder)
-from serving.launch import flag_values
-from tasks.export.checkpoint import CONFIG_FILE, PROJECT_KEY
-from serving.llamacpp.export import (GGUF_ARCHITECTURE, REQUIRED_TENSORS, GGUFDraftInfo, export_gguf, llamacpp_capture_layers,
-                               llamacpp_layer_ids, read_gguf_draft)
+from serving.contract import folder_checks
+from serving.doctor.core import Check, Context, DoctorReport, EngineContract, TargetInfo, make_context
+from serving.draft_folder import PROJECT_KEY, Folder, as_int, int_list, read_folder
+from serving.llamacpp.doctor_launch import launch_checks
+from serving.llamacpp.export import (GGUF_ARCHITECTURE, REQUIRED_TENSORS, GGUFDraftInfo, export_gguf, find_gguf,
+                                     not_converted_from, read_gguf_draft)
+from serving.llamacpp.layers import default_ids, llamacpp_capture_layers, wanted_ids
 
 CONVERTER = "convert_hf_to_gguf.py"
 IDS_KEY = "eagle_aux_hidden_state_layer_ids"
@@ -38,37 +36,9 @@ CONVERTER_ARCHITECTURES = frozenset((
     "LLaMAForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "VLlama3ForCausalLM",
     "LlavaForConditionalGeneration", "VoxtralForConditionalGeneration", "LlamaForCausalLMEagle3",
     "Eagle3LlamaForCausalLM", "Eagle3Speculator", "Eagle3DraftModel", "IQuestCoderForCausalLM", "LlamaModel"))
-# GGUF architectures whose graph exposes layer inputs (`t_layer_inp`, src/models/*.cpp): the targets EAGLE-3 can read.
-LAYER_INPUT_ARCHS = frozenset((
-    "llama", "qwen3", "qwen3moe", "qwen3next", "qwen35", "qwen35moe", "qwen4exp", "gemma4", "muse-glimmer",
-    "deepseek4", "nemotron_h", "bailingmoe3", "hunyuan_vl", "gpt-oss", "lfm2", "minimax-01", "minimax-m2", "mimo2",
-    "nanbeige"))
-SPEC_TYPES = ("none", "draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark", "ngram-simple",
-              "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")  # common/speculative.cpp:33-45
-# Removed flags (common/arg.cpp:4387-4399): llama-server exits with "the argument has been removed".
-REMOVED_FLAGS = {**dict.fromkeys(("--draft", "--draft-n", "--draft-max"), "--spec-draft-n-max"),
-                 **dict.fromkeys(("--draft-min", "--draft-n-min"), "--spec-draft-n-min")}
-DRAFT_FLAGS = ("--spec-draft-model", "-md", "--model-draft")
-REMOTE_DRAFT_FLAGS = ("--spec-draft-hf", "-hfd", "-hfrd", "--hf-repo-draft")
-MODEL_FLAGS = ("-m", "--model")
-REMOTE_MODEL_FLAGS = ("-hf", "-hfr", "--hf-repo", "-mu", "--model-url")
-P_MIN_FLAGS = ("--spec-draft-p-min", "--draft-p-min")
 # tasks/model/draft.py: the residual is the raw hidden state and fc reads the states un-normed.
 TRAINED_NORMS = ("norm_before_residual", "norm_before_fc")
 OUTTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0"}
-
-
-def default_ids(num_layers: int) -> list[int]:
-    """The converter's target_layers when the top-level ids are missing or empty (conversion/llama.py:78-81)."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
-def _want(expected: Sequence[int] | None, num_layers: int) -> list[int] | None:
-    """The ids llama.cpp must read for the trained layers (None: unknown, or no id captures them)."""
-    try:
-        return None if expected is None else llamacpp_layer_ids(expected, num_layers)
-    except ValueError:
-        return None
 
 
 # ---------------------------------------------------------------- the folder the converter reads
@@ -85,7 +55,7 @@ def captured(ctx: Context) -> dict[str, list[int | None]]:
 
 
 def ids_to_write(ctx: Context) -> list[int] | None:
-    return None if ctx.expected_conflict else _want(ctx.expected, ctx.target.num_layers)
+    return None if ctx.expected_conflict else wanted_ids(ctx.expected, ctx.target.num_layers)
 
 
 def write_ids(ctx: Context, config: dict[str, Any], ids: list[int]) -> str:
@@ -109,7 +79,7 @@ def check_architecture(ctx: Context) -> Check:
                         f"{merged.get('num_hidden_layers')!r}); otherwise it writes a plain llama GGUF, which "
                         "--spec-type draft-eagle3 does not run")
     if problems:
-        return Check("architecture", False, "; ".join(problems) + ". Export with tasks.export.checkpoint.export_sglang.")
+        return Check("architecture", False, "; ".join(problems) + ". Export with serving.sglang.export.export_sglang.")
     return Check("architecture", True, f"{archs[0]}, converted as an EAGLE-3 draft")
 
 
@@ -175,7 +145,7 @@ def _layer_checks(written: list[int] | None, num_layers: int, expected: list[int
         problems.append(f"{where} is missing: llama.cpp's loader refuses the draft ('requires extract_layers')")
     else:
         problems += _range_problems(written, num_layers, where)
-        want = _want(expected, num_layers)
+        want = wanted_ids(expected, num_layers)
         if not problems and expected is not None and written == list(expected) != want:
             off = Check("aux_ids_off_by_one", False, (
                 f"{where} = {written} are the trained layers in the 'output of layer i' convention, but llama.cpp "
@@ -240,39 +210,6 @@ def repair_norms(config: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------- the converted GGUF
-
-
-def find_gguf(draft: Path) -> tuple[Path | None, str | None]:
-    """(the GGUF, None) for a .gguf or a folder holding exactly one (and no config.json); else (None, why or None)."""
-    if draft.is_file():
-        return (draft, None) if draft.suffix == ".gguf" else (None, None)
-    if not draft.is_dir() or (draft / CONFIG_FILE).exists():
-        return None, None
-    found = sorted(p.name for p in draft.iterdir() if p.suffix == ".gguf" and p.is_file())
-    return (draft / found[0], None) if len(found) == 1 else \
-        (None, f"{draft} holds {len(found)} .gguf files {found}; give the one llama-server loads" if found else None)
-
-
-def _gguf_norm(path: Path) -> np.ndarray | None:
-    """output_norm.weight of a GGUF as float32 (the converter keeps norms F32); None if absent or not F32."""
-    from serving.llamacpp.export import gguf_reader  # the fast reader view; one tensor, no other weight read
-
-    t = next((t for t in gguf_reader(path).tensors if t.name == "output_norm.weight"), None)
-    return None if t is None or t.tensor_type.name != "F32" else np.array(t.data, dtype=np.float32).reshape(-1)
-
-
-def not_converted_from(path: Path, info: GGUFDraftInfo, folder: Folder) -> str | None:
-    """Why the GGUF at `path` is not `folder` converted (None: same lm_head rows and the same final norm)."""
-    head, out = folder.shape("lm_head.weight"), info.tensor_shapes.get("output.weight")
-    if head is None or out is None or head[0] != out[0]:
-        return f"lm_head rows {None if head is None else head[0]} vs {None if out is None else out[0]}"
-    norm, gguf_norm = folder.tensor("norm.weight"), _gguf_norm(path)
-    if norm is None or gguf_norm is None:
-        return "no F32 final norm to compare"
-    norm = norm.float().numpy().reshape(-1)
-    if norm.shape != gguf_norm.shape or not np.allclose(norm, gguf_norm, rtol=1e-5, atol=1e-6):
-        return "its final norm weights differ"
-    return None
 
 
 def _source(path: Path, info: GGUFDraftInfo) -> tuple[Folder | None, str]:
@@ -446,147 +383,6 @@ def _fix_gguf(report: DoctorReport, draft: Path, path: Path, info: GGUFDraftInfo
     report.fixes = [f"re-converted {source.path} with serving.llamacpp.export.export_gguf (outtype {outtype}; "
                     "eagle3.target_layers = the recorded layers + 1)"]
     report.fixed = check_gguf(out_dir, target, expected, False, None)
-
-
-# ---------------------------------------------------------------- launch command
-
-
-@functools.lru_cache(maxsize=8)
-def _model_shape(path: str, mtime_ns: int, size: int) -> tuple[str | None, Any, Any, Any]:
-    """(architecture, layers, hidden size, vocab) of a model GGUF (cached per file version: reading takes seconds)."""
-    info = read_gguf_draft(path)
-    arch, meta = info.architecture, info.metadata
-    vocab = meta.get(f"{arch}.vocab_size") or info.tokenizer_tokens
-    return arch, meta.get(f"{arch}.block_count"), meta.get(f"{arch}.embedding_length"), vocab
-
-
-def _target_check(args: list[str], target: TargetInfo) -> Check:
-    check = functools.partial(Check, "launch_target")
-    value, problem = one(flag_values(args, MODEL_FLAGS))
-    remote = [v for v in flag_values(args, REMOTE_MODEL_FLAGS) if v]
-    if problem or (value is None and not remote):
-        return check(False, f"-m {problem}" if problem else "no -m: give -m with the target's GGUF")
-    path = Path(value or "").expanduser()
-    if value is None or not path.exists():
-        return check(True, f"cannot verify: the target is {remote[0] if value is None else repr(value)}, no local "
-                           "file; make sure it is the target the draft was trained for", warning=True)
-    if path.is_dir():
-        return check(False, f"-m {value} is a folder: llama-server loads a GGUF file of the target")
-    try:
-        stat = path.stat()
-        arch, layers, hidden, vocab = _model_shape(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
-    except Exception as e:  # noqa: BLE001 - llama-server could not load it either
-        return check(False, f"-m {value} is not a readable GGUF ({e})")
-    if arch == GGUF_ARCHITECTURE:
-        return check(False, f"-m {value} is an EAGLE-3 draft GGUF ({layers} layer), not a target model: -m takes the "
-                            "target, -md the draft")
-    diffs = [f"{name} {got} vs {want}" for name, got, want in (
-        ("layers", layers, target.num_layers), ("hidden size", hidden, target.hidden_size),
-        ("vocab", vocab, target.vocab_size)) if got != want]
-    if diffs:
-        return check(False, f"-m {value} ({arch}) is not this draft's target ({'; '.join(diffs)}, the GGUF vs the "
-                            "target config): point -m at the target it was trained for")
-    if arch not in LAYER_INPUT_ARCHS:
-        return check(False, f"-m {value} is a {arch!r} model, whose llama.cpp graph does not expose layer inputs to "
-                            "EAGLE-3 (the server asserts 'layer input tensor is null'); llama.cpp's EAGLE-3 reads "
-                            f"{', '.join(sorted(LAYER_INPUT_ARCHS))}")
-    provenance = None if target.folder is None else target.folder / "eagle3_target.json"  # tasks.model.target.PROVENANCE_FILE
-    record = json.loads(provenance.read_text()) if provenance is not None and provenance.is_file() else {}
-    source, digest = record.get("gguf"), record.get("sha256")
-    # The same file, or the same bytes elsewhere (another checkout's copy of the package): by content.
-    if (source and Path(source).expanduser().resolve() == path.resolve()) or (digest and _sha256(path) == digest):
-        return check(True, f"-m is the GGUF the target folder was converted from ({arch}, {layers} layers)")
-    return check(True, f"-m {value} has the target's shape ({arch}, {layers} layers, hidden {hidden}, vocab {vocab}); "
-                       "the weights are not compared: make sure it is the same model", warning=True)
-
-
-def _sha256(path: Path) -> str:
-    from tasks.model.target import gguf_sha256  # cached by size and mtime: a target GGUF is hashed once
-
-    return gguf_sha256(path)
-
-
-def _draft_check(args: list[str], draft: Path, target: TargetInfo) -> Check:
-    check = functools.partial(Check, "launch_draft_path")
-    value, problem = one(flag_values(args, DRAFT_FLAGS))
-    remote = [v for v in flag_values(args, REMOTE_DRAFT_FLAGS) if v]
-    own, _ = find_gguf(draft)
-    if value is None and not problem and remote:
-        return check(True, f"cannot verify: the draft comes from {remote[0]}", warning=True)
-    if value is None or problem:
-        return check(False, f"-md {problem or 'is missing'}: give -md {own or 'DRAFT.gguf'}")
-    path = Path(value).expanduser()
-    if own is not None:
-        if path.is_file() and path.resolve() == own.resolve():
-            return check(True, f"-md is {own.resolve()}")
-        return check(False, f"-md {value} is not this draft ({own.resolve()}): the server would load another draft "
-                            "than the one checked")
-    if path.is_dir():
-        return check(False, f"-md {value} is a folder: llama-server loads a GGUF; convert the draft "
-                            "(serving.llamacpp.export.export_gguf) and give -md that file")
-    folder, _ = read_folder(draft)
-    if not path.is_file() or folder is None:
-        return check(True, f"cannot verify: -md {value!r} is no local file or the folder is unreadable", warning=True)
-    try:
-        info = read_gguf_draft(path)
-    except Exception as e:  # noqa: BLE001 - llama-server could not load it either
-        return check(False, f"-md {value} is not a readable GGUF ({e})")
-    mismatch = not_converted_from(path, info, folder) if info.architecture == GGUF_ARCHITECTURE else "not eagle3"
-    if mismatch:
-        return check(False, f"-md {value} is not this draft converted ({mismatch}): the server would load another "
-                            "draft than the one checked")
-    record = folder.config.get(PROJECT_KEY)
-    want = _want(int_list(record.get("aux_layer_ids")) if isinstance(record, Mapping) else None, target.num_layers)
-    if want is not None and info.target_layers != want:
-        return check(False, f"-md {value} was converted from this folder, but its eagle3.target_layers are "
-                            f"{info.target_layers}, not {want}: re-convert it (serving.llamacpp.export.export_gguf)")
-    return check(True, f"-md {value} is this folder converted (same final norm and lm_head)")
-
-
-def _spec_type_check(args: list[str]) -> Check:
-    values = flag_values(args, ["--spec-type"])
-    types = [t.strip() for v in values if v for t in v.split(",")]
-    unknown = [t for t in types if t not in SPEC_TYPES]
-    if None in values or unknown:
-        return Check("launch_spec_type", False, f"--spec-type {unknown or 'without a value'}: llama-server knows "
-                                                f"{', '.join(SPEC_TYPES)}. Use --spec-type draft-eagle3.")
-    if "draft-eagle3" in types:
-        return Check("launch_spec_type", True, "--spec-type draft-eagle3")
-    what = f"--spec-type {','.join(types)} has no draft-eagle3" if types else "no --spec-type"
-    if not types and not flag_values(args, DRAFT_FLAGS) and any(flag_values(args, REMOTE_DRAFT_FLAGS)):
-        return Check("launch_spec_type", True, f"{what}: llama.cpp infers draft-eagle3 from a draft repo only when it "
-                                               "ships an EAGLE-3 sidecar (common/arg.cpp:546-562); give --spec-type "
-                                               "draft-eagle3 to be sure", warning=True)
-    return Check("launch_spec_type", False, (  # common/speculative.cpp:2270-2305; common/arg.cpp:566-573
-        f"{what}: llama.cpp does not recognise an EAGLE-3 GGUF by itself (from a -md file it infers only MTP, DFlash "
-        "and DSpark drafts), so this draft is not run as EAGLE-3 and the server does not draft with it, without an "
-        "error. Add --spec-type draft-eagle3 (LLAMA_ARG_SPEC_TYPE in its environment, unseen here, does the same)."))
-
-
-def _p_min_check(args: list[str]) -> Check:
-    value, problem = one(flag_values(args, P_MIN_FLAGS))
-    try:
-        p = 0.0 if value is None else float(value)
-    except ValueError:
-        problem = f"{value!r} is not a number (llama-server exits)"
-    if problem:
-        return Check("launch_p_min", False, f"--spec-draft-p-min {problem}")
-    if p > 0:
-        return Check("launch_p_min", True, (
-            f"--spec-draft-p-min {value}: drafting stops early where the draft's top probability is below {value}, so "
-            "acceptance is not comparable with runs at 0.0 (which the benchmarks assume); use 0.0 to measure"),
-            warning=True)
-    return Check("launch_p_min", True, f"--spec-draft-p-min {value or '0.0 (default)'}")
-
-
-def launch_checks(argv: list[str], args: list[str], draft: Path, target: TargetInfo) -> list[Check]:
-    """The `llama-server` arguments (`args`) against this draft (folder or GGUF) and target."""
-    removed = sorted({t for t in args if t in REMOVED_FLAGS})
-    use = " / ".join(sorted({REMOVED_FLAGS[t] for t in removed}))
-    return [Check("launch_removed_flags", False, f"{', '.join(removed)}: removed from llama-server in this llama.cpp, "
-                                                 f"which exits ('the argument has been removed'); use {use}")
-            if removed else Check("launch_removed_flags", True, "no removed flags"),
-            _spec_type_check(args), _draft_check(args, draft, target), _target_check(args, target), _p_min_check(args)]
 
 
 CONTRACT = EngineContract(

@@ -1,9 +1,10 @@
 """The draft as a llama.cpp GGUF, made by llama.cpp's own `convert_hf_to_gguf.py` from an SGLang export.
 
-Owns llama.cpp's aux-layer id convention, running the pinned tree's converter on a staged copy of
-an SGLang folder, and reading a draft GGUF back (`read_gguf_draft`, pip `gguf`'s generic reader).
-Promises: the GGUF names the layers the draft was trained on (llama.cpp captures layer *inputs*,
-so "output of layer i" is written i+1, at the top level the converter reads; the nested SGLang
+Owns running the pinned tree's converter on a staged copy of an SGLang folder, reading a draft GGUF
+back (`read_gguf_draft`, pip `gguf`'s generic reader) and telling which GGUF a draft is and whether
+it was converted from a given folder (`find_gguf`, `not_converted_from`). Promises: the GGUF names
+the layers the draft was trained on (llama.cpp captures layer *inputs*, so "output of layer i" is
+written i+1 by serving/llamacpp/layers.py, at the top level the converter reads; the nested SGLang
 ids it would silently ignore); a GGUF appears under its name only complete and only after its
 metadata was read back and matched (architecture, target layers, target hidden size, d2t as
 absolute ids); every failure names the folder, and a converter failure its command and output tail.
@@ -24,7 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from tasks.export.checkpoint import CONFIG_FILE, PROJECT_KEY, WEIGHTS_FILE, CheckpointError, check_sglang
+from serving.draft_folder import CONFIG_FILE, PROJECT_KEY, WEIGHTS_FILE, CheckpointError, Folder
+from serving.llamacpp.layers import llamacpp_layer_ids
+from serving.sglang.export import check_sglang
 
 GGUF_ARCHITECTURE = "eagle3"
 GGUF_FILE = "draft.gguf"
@@ -49,35 +52,6 @@ class GGUFExportError(RuntimeError):
         if tail:
             text += f"\nlast lines of the converter's output:\n{tail}"
         super().__init__(text)
-
-
-# ---------------------------------------------------------------- layer id convention
-
-def llamacpp_capture_layers(written_ids: Sequence[int], num_layers: int) -> list[int | None]:
-    """Which "output of layer i" llama.cpp captures for each written id (None: not a layer output).
-
-    llama.cpp captures the input of layer k (`t_layer_inp[k]`), the output of layer k-1; k = 0 is
-    the embeddings and k = num_layers selects the target's nextn state, neither a layer output.
-    """
-    return [int(k) - 1 if 1 <= int(k) < num_layers else None for k in written_ids]
-
-
-def llamacpp_layer_ids(aux_layer_ids: Sequence[int], num_layers: int) -> list[int]:
-    """The `eagle3.target_layers` that make llama.cpp capture `aux_layer_ids` (project convention): i + 1."""
-    ids = [int(i) for i in aux_layer_ids]
-    if len(ids) != 3:
-        raise ValueError(f"llama.cpp's EAGLE-3 takes exactly 3 aux layers, got {len(ids)}: {ids}")
-    for i in ids:
-        if i < 0 or i + 1 > num_layers:
-            raise ValueError(f"aux layer {i} is not a layer of the {num_layers}-layer target")
-        if i + 1 == num_layers:
-            raise ValueError(
-                f"aux layer {i} is the output of the target's last layer ({num_layers} layers): llama.cpp captures "
-                f"layer inputs, and id {num_layers} would select the target's nextn state, which llama targets do "
-                "not produce (the server aborts or runs without speculation); train on an earlier layer")
-    written = [i + 1 for i in ids]
-    assert llamacpp_capture_layers(written, num_layers) == ids
-    return written
 
 
 # ---------------------------------------------------------------- reading a draft GGUF
@@ -212,6 +186,39 @@ def gguf_draft_problems(info: GGUFDraftInfo, *, target_layers: Sequence[int] | N
     if target_vocab_size is not None and info.vocab_size is not None and info.vocab_size < target_vocab_size:
         problems.append(f"eagle3.vocab_size is {info.vocab_size}, below the target vocab {target_vocab_size}")
     return problems
+
+
+# ---------------------------------------------------------------- which GGUF a draft is
+
+def find_gguf(draft: Path) -> tuple[Path | None, str | None]:
+    """(the GGUF, None) for a .gguf or a folder holding exactly one (and no config.json); else (None, why or None)."""
+    if draft.is_file():
+        return (draft, None) if draft.suffix == ".gguf" else (None, None)
+    if not draft.is_dir() or (draft / CONFIG_FILE).exists():
+        return None, None
+    found = sorted(p.name for p in draft.iterdir() if p.suffix == ".gguf" and p.is_file())
+    return (draft / found[0], None) if len(found) == 1 else \
+        (None, f"{draft} holds {len(found)} .gguf files {found}; give the one llama-server loads" if found else None)
+
+
+def _gguf_norm(path: Path) -> np.ndarray | None:
+    """output_norm.weight of a GGUF as float32 (the converter keeps norms F32); None if absent or not F32."""
+    t = next((t for t in gguf_reader(path).tensors if t.name == "output_norm.weight"), None)
+    return None if t is None or t.tensor_type.name != "F32" else np.array(t.data, dtype=np.float32).reshape(-1)
+
+
+def not_converted_from(path: Path, info: GGUFDraftInfo, folder: Folder) -> str | None:
+    """Why the GGUF at `path` is not `folder` converted (None: same lm_head rows and the same final norm)."""
+    head, out = folder.shape("lm_head.weight"), info.tensor_shapes.get("output.weight")
+    if head is None or out is None or head[0] != out[0]:
+        return f"lm_head rows {None if head is None else head[0]} vs {None if out is None else out[0]}"
+    norm, gguf_norm = folder.tensor("norm.weight"), _gguf_norm(path)
+    if norm is None or gguf_norm is None:
+        return "no F32 final norm to compare"
+    norm = norm.float().numpy().reshape(-1)
+    if norm.shape != gguf_norm.shape or not np.allclose(norm, gguf_norm, rtol=1e-5, atol=1e-6):
+        return "its final norm weights differ"
+    return None
 
 
 # ---------------------------------------------------------------- the converter

@@ -1,6 +1,7 @@
 """SGLang's side of the serving contract: what it reads from a draft folder and from its launch command.
 
-Owns `CONTRACT` (registered in run.py). Promises: the facts are SGLang's as CONTRACTS.md records
+Owns `CONTRACT` (registered in serving/doctor/run.py): the folder checks that are SGLang's own and its
+launch-command checks; the shared folder checks are serving/contract.py. Promises: the facts are SGLang's as docs/contracts.md records
 them: architecture `LlamaForCausalLMEagle3`, `midlayer.*` keys (other names skipped without an
 error), aux layer ids read from `eagle_config` only and captured differently before and since
 PR #25454 (both are checked unless the version is named), and `--speculative-algorithm EAGLE3`.
@@ -12,18 +13,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from serving.doctor.checks import ids_fix_hint, layer_complete
+from serving.contract import ids_fix_hint, layer_complete
 from serving.doctor.command import normalise_flags, one, same_folder, target_check
-from serving.doctor.core import Check, Context, EngineContract, TargetInfo, default_capture, int_list, strip_prefixes
-from serving.launch import flag_values, sglang_speculative_problems
-from tasks.export.checkpoint import (
-    PROJECT_KEY,
-    SGLANG_ARCHITECTURE,
-    SPECULATORS_ARCHITECTURE,
-    sglang_capture_layers,
-    sglang_layer_ids,
-    sglang_load_report,
-)
+from serving.doctor.core import Check, Context, EngineContract, TargetInfo, default_capture
+from serving.draft_folder import PROJECT_KEY, SGLANG_ARCHITECTURE, SPECULATORS_ARCHITECTURE, int_list, strip_prefixes
+from serving.launch import flag_values
+from serving.sglang.layers import sglang_capture_layers, sglang_layer_ids
+from serving.sglang.loader import sglang_load_report
+from serving.sglang.server import sglang_speculative_problems
 
 # ---------------------------------------------------------------- folder
 
@@ -77,7 +74,7 @@ def check_architecture(ctx: Context) -> Check:
         return Check("architecture", True, f"{SGLANG_ARCHITECTURE}")
     hint = (" This is the vLLM/speculators format: check it with engine='vllm', or export with export_sglang."
             if archs == [SPECULATORS_ARCHITECTURE] else
-            f" Export with tasks.export.checkpoint.export_sglang, which writes [{SGLANG_ARCHITECTURE!r}].")
+            f" Export with serving.sglang.export.export_sglang, which writes [{SGLANG_ARCHITECTURE!r}].")
     return Check("architecture", False, f"architectures is {archs!r}; SGLang's EAGLE-3 draft class is "
                                         f"[{SGLANG_ARCHITECTURE!r}] and another class loads other weights.{hint}")
 

@@ -1,1 +1,8 @@
-"""vLLM: servers for extraction (hidden states) and for serving the draft or its n-gram method, and vLLM's side of the serving contract."""
+"""vLLM: everything the project knows about one engine, in one package.
+
+layers.py (the aux-layer id convention, for serving and extraction), export.py (the speculators
+folder vLLM loads: writer, check, loader), server.py (serving with our draft or its n-gram method,
+the baseline command line, what vLLM says it loaded), extract_server.py and plugin/ (the
+hidden-states server for extraction), doctor.py and doctor_live.py (vLLM's side of the serving
+contract). The shared checks are serving/contract.py; the contract itself docs/contracts.md.
+"""

@@ -1,6 +1,8 @@
 """vLLM's side of the serving contract: what it reads from a speculators-format draft and from `vllm serve`.
 
-Owns `CONTRACT` (registered in run.py). Promises: the facts are vLLM's as CONTRACTS.md records them:
+Owns `CONTRACT` (registered in serving/doctor/run.py): the folder checks that are vLLM's own (the
+speculators header, `speculators_header_problems`) and its launch-command checks; the shared folder
+checks are serving/contract.py. Promises: the facts are vLLM's as docs/contracts.md records them:
 the speculators header (`Eagle3Speculator`, `transformer_layer_config`, `speculators_config`), aux
 layer ids read from the top level only and used as-is, `norm_before_residual` read as true when
 absent, and `--speculative-config` with `"method": "eagle3"`. With `live`, vLLM itself is started on the
@@ -14,12 +16,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from serving.doctor.checks import ids_fix_hint
+from serving.contract import ids_fix_hint
 from serving.doctor.command import one, same_folder, target_check
-from serving.doctor.core import Check, Context, EngineContract, TargetInfo, default_capture, int_list
-from serving.vllm.doctor_live import live_checks
+from serving.doctor.core import Check, Context, EngineContract, TargetInfo, default_capture
+from serving.draft_folder import SPECULATORS_ARCHITECTURE, int_list
 from serving.launch import flag_values
-from tasks.export.checkpoint import SPECULATORS_ARCHITECTURE, speculators_header_problems, vllm_capture_layers, vllm_layer_ids
+from serving.vllm.doctor_live import live_checks
+from serving.vllm.layers import vllm_capture_layers, vllm_layer_ids
 
 # ---------------------------------------------------------------- folder
 
@@ -45,10 +48,27 @@ def write_ids(ctx: Context, config: dict[str, Any], ids: list[int]) -> str:
     return f"eagle_aux_hidden_state_layer_ids = {ids} (vLLM captures layers {ctx.expected})"
 
 
+def speculators_header_problems(config: Mapping[str, Any]) -> list[str]:
+    """What makes vLLM refuse a speculators config.json, or load it as another model type."""
+    problems: list[str] = []
+    if config.get("architectures") != [SPECULATORS_ARCHITECTURE]:
+        problems.append(f"architectures is {config.get('architectures')!r}, expected [{SPECULATORS_ARCHITECTURE!r}]")
+    if config.get("speculators_model_type") != "eagle3":
+        problems.append(f"speculators_model_type is {config.get('speculators_model_type')!r}, expected 'eagle3'")
+    spec = config.get("speculators_config")
+    try:
+        _ = spec["proposal_methods"][0]["speculative_tokens"]
+        _ = spec["verifier"]["name_or_path"]
+    except (KeyError, IndexError, TypeError):
+        problems.append("speculators_config lacks proposal_methods[0].speculative_tokens or verifier.name_or_path "
+                        "(vLLM refuses it)")
+    return problems
+
+
 def check_architecture(ctx: Context) -> Check:
     problems = speculators_header_problems(ctx.folder.config)
     if problems:
-        return Check("architecture", False, "; ".join(problems) + ". Export with tasks.export.checkpoint.export_speculators "
+        return Check("architecture", False, "; ".join(problems) + ". Export with serving.vllm.export.export_speculators "
                                                                   "(SGLang folders are not vLLM's format).")
     return Check("architecture", True, SPECULATORS_ARCHITECTURE)
 

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from serving.process import ManagedServer
+from serving.vllm.layers import extraction_layer_ids
 
 PLUGIN_DIR = Path(__file__).resolve().parent / "plugin"
 CONNECTOR = "Eagle3HiddenStatesConnector"
@@ -33,16 +34,8 @@ SERVED_MODEL_NAME = "target"
 
 
 def vllm_layer_ids(aux_layer_ids: list[int], num_layers: int) -> list[int]:
-    """vLLM's ids for our aux layers, then the last layer's output (pre-norm).
-
-    vLLM captures id j *before* decoder layer j runs (`_maybe_add_hidden_state(idx + 1, ...)` after
-    layer idx), i.e. the output of layer j-1: our id i (output of layer i) is vLLM's i+1. Id
-    `num_layers` is the output of the last layer, before the final norm, from which the teacher's
-    post-norm state is computed.
-    """
-    if any(not 0 <= i < num_layers - 1 for i in aux_layer_ids):
-        raise ValueError(f"aux layer ids {aux_layer_ids} out of range for {num_layers} layers")
-    return [i + 1 for i in aux_layer_ids] + [num_layers]
+    """vLLM's ids for our aux layers, then the last layer's output (pre-norm): serving/vllm/layers.py's rule."""
+    return extraction_layer_ids(aux_layer_ids, num_layers)
 
 
 def default_vllm_python() -> Path:
@@ -50,7 +43,7 @@ def default_vllm_python() -> Path:
     env = os.environ.get("EAGLE3_VLLM_PYTHON")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
+    return Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"  # serving/vllm/ -> the checkout
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,6 +1,6 @@
 """vLLM serving the target for generation: alone, with our EAGLE-3 draft, or with its own n-gram method.
 
-Owns `--speculative-config` for serving (method `eagle3` on a speculators-format export, method
+Owns the production baseline's command line (`vllm_baseline_command`), `--speculative-config` for serving (method `eagle3` on a speculators-format export, method
 `ngram` for vLLM's prompt lookup), the flag that puts vLLM's own per-request acceptance counters into
 every response (`--per-request-spec-decode-metrics summary`), and what vLLM's log says it loaded for
 a draft: the aux layers it captures, whether it shares the target's embeddings, whose lm_head it
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from serving.launch import BaselineSpec, baseline_options
 from serving.process import ServerStartError
 from serving.vllm.extract_server import VllmEngineArgs, VllmServer
 
@@ -31,6 +32,14 @@ _EMBED_OWN = ("Keeping separate embedding weights from the target model",
               "vocab embedding will be loaded separately from the target model")
 _HEAD_OWN = ("Keeping separate lm_head weights from the target model",)
 _HEAD_SHARED = ("Sharing target model lm_head weights with the draft model",)
+
+
+def vllm_baseline_command(spec: BaselineSpec, vllm: str = "vllm") -> list[str]:
+    """`vllm serve MODEL ...` for the baseline: tensor parallel, CUDA graphs on, no speculation."""
+    cmd = [vllm, "serve", spec.model_path, "--tensor-parallel-size", str(spec.gpus), "--host", spec.host,
+           "--port", str(spec.port)]
+    return cmd + baseline_options(spec, context_flag="--max-model-len", mem_flag="--gpu-memory-utilization",
+                                  tool_flags=("--enable-auto-tool-choice", "--tool-call-parser"))
 
 
 @dataclass(frozen=True)

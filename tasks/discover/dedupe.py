@@ -207,6 +207,13 @@ def _densify_table(num_perm: int, attempts: int = 64) -> np.ndarray:
         return (fmix64(j * _MIX + t * _M1) % _U64(num_perm)).astype(np.int64)
 
 
+def clear_caches() -> None:
+    """Forget the power and donor tables, as a new process starts: benchmarks/dedupe.py times cold runs."""
+    global _POWERS
+    _POWERS = (np.ones(1, _U64), np.ones(1, _U64))
+    _densify_table.cache_clear()
+
+
 def _signature_block(h: np.ndarray, doc: np.ndarray, n_docs: int, num_perm: int) -> np.ndarray:
     bits = num_perm.bit_length() - 1
     bins = (h >> _U64(64 - bits)).astype(np.int64)

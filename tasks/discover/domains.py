@@ -91,11 +91,11 @@ def tag_untagged(store, batch: int = 50_000) -> int:
 
     done = 0
     while True:
-        todo = store.untagged_prompts(TAGGER, limit=batch)
+        todo = store.selection.untagged_prompts(TAGGER, limit=batch)
         if not todo:
             return done
         rows = []
         for prompt_id, messages in todo:
             t = tag_prompt(prompt_text(messages))
             rows.append((prompt_id, t.domain, t.cluster, t.signals))
-        done += store.write_prompt_tags(TAGGER, rows)
+        done += store.selection.write_tags(TAGGER, rows)

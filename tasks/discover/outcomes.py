@@ -27,6 +27,7 @@ seen before), so how many records are exact duplicates does not depend on the or
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -79,7 +80,7 @@ def _row(rec: RawRecord, outcome: str, prompt: Prompt | None = None, **extra) ->
 def _prior_candidates(store: LineageStore, params: str, keys: np.ndarray, num_perm: int):
     """Stored prompts sharing an LSH bucket with batch texts: ((batch index, prior index) pairs,
     their signatures, their ids sorted), read from the near-dedupe index."""
-    index = store.near_index(params, num_perm, keys.shape[1])
+    index = store.near_index.load(params, num_perm, keys.shape[1])
     idx, entries = index.candidates(keys)
     if not len(idx):
         return None, None, []
@@ -182,7 +183,7 @@ def resolve_batch(prepared: PreparedBatch, store: LineageStore, near: NearDedupe
     """Steps 3-6 of the order: everything that depends on what the store already holds."""
     records, rows, candidates = prepared.records, prepared.rows, prepared.candidates
     batch_ids = sorted({p.prompt_id for _, p in candidates})
-    stored, earlier = store.exact_matches(batch_ids)
+    stored, earlier = store.exact_index.matches(batch_ids)
     first_seen: set[str] = set()
     unique: list[tuple[int, Prompt]] = []
     twins: list[tuple[int, Prompt]] = []  # exact duplicates of an earlier record of this batch
@@ -245,7 +246,7 @@ def resolve_batch(prepared: PreparedBatch, store: LineageStore, near: NearDedupe
 
     held: set[str] = set()
     if heldout is not None and heldout.fraction > 0 and kept:
-        room = heldout.cap - store.heldout_count()
+        room = heldout.cap - store.discover.heldout_count()
         held = set(choose_heldout([p.prompt_id for _, p in kept], heldout.fraction, room))
     prompts = []
     for i, p in kept:
@@ -280,8 +281,11 @@ def decide_and_write(
     contamination: NgramIndex | None,
     heldout: HeldoutConfig | None = None,
     on_written: Callable[[DiscoverBatch], None] | None = None,
+    phase_seconds: dict[str, float] | None = None,
 ) -> None:
-    """Each chunk decided and written as one batch, in order; `on_written(batch)` once it has committed.
+    """Each chunk decided and written as one batch, in order; `on_written(batch)` once it has committed;
+    given `phase_seconds`, the wall seconds of each phase (`prepare`, `resolve`, `write`) are added to it
+    (benchmarks/rehearsals/dedupe_catalog.py times the driver's phases where it calls them).
 
     The outcomes are those of `decide_outcomes` then `write_discover_batch`, batch after batch: a
     batch is resolved against the store only once the previous batch has committed, and each write
@@ -292,14 +296,28 @@ def decide_and_write(
     with gc_paused(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="discover-write") as writer:
         pending: tuple[DiscoverBatch, Future] | None = None
         for chunk in chunks:
-            prepared = prepare_batch(chunk, formats, near, contamination)
+            prepared = _timed(phase_seconds, "prepare", prepare_batch)(chunk, formats, near, contamination)
             if pending is not None:
                 _committed(pending, on_written)
-            batch = resolve_batch(prepared, store, near, heldout)
-            pending = (batch, writer.submit(store.write_discover_batch, run_id, batch.records, batch.prompts,
-                                            batch.minhash))
+            batch = _timed(phase_seconds, "resolve", resolve_batch)(prepared, store, near, heldout)
+            write = _timed(phase_seconds, "write", store.discover.write_batch)
+            pending = (batch, writer.submit(write, run_id, batch.records, batch.prompts, batch.minhash))
         if pending is not None:
             _committed(pending, on_written)
+
+
+def _timed(seconds: dict[str, float] | None, phase: str, fn: Callable) -> Callable:
+    """`fn` itself, or, when a caller asked for the phases' seconds, `fn` adding its wall time to `seconds[phase]`."""
+    if seconds is None:
+        return fn
+
+    def call(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - t0
+    return call
 
 
 def _committed(pending: tuple[DiscoverBatch, Future], on_written: Callable[[DiscoverBatch], None] | None) -> None:
@@ -313,9 +331,9 @@ def backfill_signatures(store: LineageStore, near: NearDedupeConfig) -> int:
     """Index stored prompts the near-dedupe index lacks under the current parameters (after a
     change of parameters, or an upgrade from the in-database index)."""
     params = minhash_params_key(near)
-    ids, messages = store.prompts_not_indexed(params)
+    ids, messages = store.near_index.prompts_not_indexed(params)
     if not ids:
         return 0
     bands, band_rows = lsh_params(near.threshold, near.num_perm)
     sig = signatures([prompt_text(m) for m in messages], near.num_perm, near.ngram, near.shingle)
-    return store.write_minhash(params, ids, sig, band_keys(sig, bands, band_rows))
+    return store.near_index.backfill(params, ids, sig, band_keys(sig, bands, band_rows))

@@ -15,17 +15,18 @@ What a prompt is (the regenerate stage builds on this):
 - Consecutive turns of one role are joined with a blank line (ShareGPT splits long messages).
 - A system turn is kept only as the first turn; one later in the conversation is quarantined,
   since no chat template can place it where it was.
-- The prompt's identity (`prompt_id`) is a hash of the canonical form of its system and user
-  turns: the assistant turns are to be regenerated, so two records asking the same things are the
-  same prompt.
+- The prompt's identity (`prompt_id`, recipe in tasks/ids.py) is a hash of the canonical form of
+  its system and user turns: the assistant turns are to be regenerated, so two records asking the
+  same things are the same prompt.
 """
 
 from __future__ import annotations
 
-import hashlib
 import unicodedata
 from dataclasses import dataclass
-from json.encoder import encode_basestring as _json_str
+
+# canonical_text (the exact-dedupe form) is defined with the prompt id it makes; dedupe imports it from here too.
+from tasks.ids import canonical_text, prompt_id_of  # noqa: F401
 
 ROLE_MAP: dict[str, str] = {
     "system": "system", "instruction": "system",
@@ -62,39 +63,6 @@ class Quarantine:
 def clean_content(text: str) -> str:
     """Normalisation kept in the stored prompt: NFC, Unix newlines, no surrounding whitespace."""
     return unicodedata.normalize("NFC", text.replace("\r\n", "\n").replace("\r", "\n")).strip()
-
-
-def canonical_text(text: str) -> str:
-    """The exact-dedupe form: NFKC, case-folded, whitespace runs collapsed to one space."""
-    if text.isascii():  # NFKC leaves ASCII as it is and casefold is lower() there: the same text, 2x faster
-        if _single_spaced_ascii(text):  # nothing to collapse: split and join would rebuild the same text
-            return text.lower()
-        return " ".join(text.lower().split())
-    return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
-
-
-def _single_spaced_ascii(text: str) -> bool:
-    """An ASCII text whose only whitespace is single spaces between words. Every other ASCII
-    whitespace character (tab, newline, \\x0b-\\x0d, \\x1c-\\x1f) is a control character, which
-    `isprintable` refuses."""
-    return text.isprintable() and "  " not in text and text[:1] != " " and text[-1:] != " "
-
-
-def prompt_id_of(messages: list[dict]) -> str:
-    # The bytes json.dumps(parts, ensure_ascii=False, separators=(",", ":")) gives, built from
-    # its C string encoder directly: json.dumps makes a new encoder per call, a third of
-    # discover's per-record cost at 10M records.
-    parts = ",".join(f"[{_json_str(m['role'])},{_json_text(canonical_text(m['content']))}]"
-                     for m in messages if m["role"] != "assistant")
-    return hashlib.sha256(f"[{parts}]".encode()).hexdigest()[:32]
-
-
-def _json_text(text: str) -> str:
-    """`encode_basestring(text)`: it escapes only quotes, backslashes and control characters, so
-    a printable text without the first two is itself in quotes, without a scan in Python's JSON."""
-    if text.isprintable() and '"' not in text and "\\" not in text:
-        return f'"{text}"'
-    return _json_str(text)
 
 
 def detect_format(data: dict) -> str | None:

@@ -17,7 +17,7 @@ Why training data cannot contain a held-out prompt (the decontamination against 
   own batch are duplicates too.
 - A record decided *before* a prompt is held out cannot be its duplicate either: the later text
   would then be the duplicate (of the earlier kept prompt), never held out.
-- regenerate asks only for prompts not held out (`LineageStore.pending_prompts`), and imported
+- regenerate asks only for prompts not held out (`store.generations.pending_prompts`), and imported
   conversations that are exact duplicates of a held-out prompt get no generation.
 What this does not catch: a training prompt that quotes part of a held-out prompt below the
 near-dedupe threshold (an n-gram overlap, not a duplicate). HumanEval and named eval sets get the

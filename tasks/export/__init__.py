@@ -1,1 +1,1 @@
-"""Export: a trained draft written in the formats servers load, and read back."""
+"""Export: the engine-neutral part of a trained draft written for servers and read back (checkpoint.py); each engine's writer is its serving/ package's export.py."""

@@ -8,7 +8,7 @@ covers each assistant turn's tokens plus its end-of-turn token and nothing else;
 that cannot be rendered and masked faithfully (reasoning the template would drop, special-token
 strings in assistant text, a token straddling a turn boundary, a template whose renders are not
 prefixes of one another) comes back as `Skipped(reason)`, never as a silently wrong sample
-(CONTRACTS.md, silent failure 7).
+(docs/contracts.md, silent failure 7).
 
 Masking method: char spans from prefix renders, mapped to tokens by offsets. For assistant turn
 i, `len(render(messages[:i], add_generation_prompt=True))` is where its content starts (just after

@@ -5,7 +5,7 @@ transformers' `hidden_states[i+1]`), the `Extractor` protocol any engine impleme
 record (`Extracted`) or refusal (`Quarantined`), fp8 storage with per-token scales, and the
 transformers implementation `HFExtractor`. Promises: a sample's states do not depend on what it
 was batched with (right padding + attention mask); a sample with any NaN/Inf in a captured state
-is quarantined with the tensor named, never returned (CONTRACTS.md, silent failure 8); the final
+is quarantined with the tensor named, never returned (docs/contracts.md, silent failure 8); the final
 state is the post-norm one; top-k teachers only hold target ids inside the draft vocabulary.
 """
 
@@ -201,7 +201,7 @@ class TopkTeacher:
         rec.topk_logprobs = (values - torch.logsumexp(draft_logits, dim=-1, keepdim=True)).to(torch.float16).cpu()
         rec.topk_ids = self.draft_ids[pos].to(torch.int32).cpu()
         # Renormalising hides how much mass lay outside the draft vocab; the trainer masks positions
-        # whose target argmax is outside it (CONTRACTS), so that bit is kept here.
+        # whose target argmax is outside it (docs/contracts.md), so that bit is kept here.
         best_draft = values[:, 0]
         if other_logits.shape[1] == 0:
             rec.argmax_in_draft = torch.ones_like(best_draft, dtype=torch.bool).cpu()

@@ -1,17 +1,15 @@
 """Disk-bounded extraction rounds: which samples go into the next shard, and what the shard holds.
 
-Owns the identities of the extract stage (tokenisation key, extract key, sample id), the exact
-size a shard will have before any hidden state is computed, the choice of the next shard's samples
-under both the shard size target and the room left in the disk budget, and packing a batch of
-extraction results into one shard with its metadata. Promises: a planned shard's predicted size is
+Owns the exact size a shard will have before any hidden state is computed, the choice of the
+next shard's samples under both the shard size target and the room left in the disk budget, and
+packing a batch of extraction results into one shard with its metadata. Promises: a planned shard's predicted size is
 the size the store will write for those samples (quarantine only makes it smaller), so a round
-stops *before* computing states that could not be stored; the same inputs always give the same
-keys and ids, so a restarted round finds its own work.
+stops *before* computing states that could not be stored. The stage's ids (tokenize key, extract
+key, sample id) are in tasks/ids.py.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 
@@ -20,29 +18,6 @@ import torch
 from storage.lineage import LineageStore
 from storage.shards import OFFSETS_KEY, CorruptShard, ShardStore, encoded_size, pack_samples, unpack_samples
 from tasks.extract.hf_backend import SHARD_FORMAT, Extracted, ExtractSettings, Quarantined, record_from_tensors, record_tensors
-
-
-def _key(payload: dict) -> str:
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
-
-
-def tokenize_key(target_name: str, target_revision: str, template_id: str, max_length: int, overflow: str,
-                 generation_params_keys: list[str] | None) -> str:
-    """Names one tokenisation of the generations: its draft vocab is counted from exactly these samples."""
-    return _key({"target": target_name, "revision": target_revision, "template": template_id,
-                 "max_length": max_length, "overflow": overflow,
-                 "generations": sorted(generation_params_keys) if generation_params_keys is not None else None})
-
-
-def extract_key(tokenize: str, vocab_id: str, settings: ExtractSettings) -> str:
-    """Names what a shard's tensors mean: tokenisation, vocab, layers, teacher, storage, file format."""
-    return _key({"tokenize": tokenize, "vocab": vocab_id, "aux_layer_ids": settings.aux_layer_ids,
-                 "teacher": settings.teacher, "topk": settings.topk if settings.teacher == "topk" else None,
-                 "storage": settings.storage, "format": SHARD_FORMAT})
-
-
-def sample_id(generation_id: str, extract: str) -> str:
-    return hashlib.sha256(f"{generation_id}\x00{extract}".encode()).hexdigest()[:32]
 
 
 # ---------------------------------------------------------------- exact sizes
@@ -147,9 +122,9 @@ def delete_consumed_shards(store: LineageStore, shards: ShardStore, names: list[
     file is gone, and the next call just records the deletion.
     """
     deleted = []
-    for name, row in store.live_shards().items():
+    for name, row in store.extraction.live_shards().items():
         if row["state"] == "consumed" and (names is None or name in names):
             shards.delete(name)
-            store.mark_shard_deleted(name)
+            store.extraction.mark_shard_deleted(name)
             deleted.append(name)
     return deleted

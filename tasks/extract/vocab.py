@@ -5,7 +5,7 @@ frequent ones, and the safetensors file holding `d2t`, `t2d` and `counts`. Promi
 deterministic (count descending, then target id ascending; unseen ids fill up in ascending order);
 draft ids follow ascending target id, so `d2t[i] = target_id(i) - i` is a non-decreasing int64
 offset and `d2t + arange(n)` is exactly what SGLang builds as `hot_token_id`; `validate_vocab`
-names every way these tensors can be silently wrong (CONTRACTS.md, silent failure 5); the file is
+names every way these tensors can be silently wrong (docs/contracts.md, silent failure 5); the file is
 written atomically and read without pickle. A vocab is fixed once built, so it also estimates what it
 will cover of tokens it was not chosen from (split-half), and says when the tokens extracted later fall
 short of that, or when it was built from too little data to fill it.

@@ -3,8 +3,9 @@
 Owns `DraftConfig` (the draft's shape, derived from any Llama- or DeepSeek-V3/Kimi-shaped target
 config), `Eagle3Draft` (frozen target embeddings, `fc` 3H -> H, one Llama decoder layer whose
 q/k/v read `cat([input_layernorm(embeds), hidden_norm(hidden)])` with the raw hidden as residual,
-`norm`, `lm_head` over the draft vocab, `d2t`/`t2d` buffers) and the TTT attention. The batches,
-the teacher and the loss that train it live in tasks/train/ttt.py.
+`norm`, `lm_head` over the draft vocab, `d2t`/`t2d` buffers). The attention kernel its layer calls
+is tasks/model/attention.py; the batches, the teacher and the loss that train it live in
+tasks/train/ttt.py.
 
 Promises, in one place each:
 - Alignment (tasks/extract/hf_backend.py: position t holds the states after reading token t). TTT step i at
@@ -12,12 +13,11 @@ Promises, in one place each:
   own pre-norm output of step i-1 at t); it predicts token t+i+2, whose teacher is the target's
   distribution at position t+i+1. A prediction counts when token t+i+2 is loss-masked (the
   record's loss_mask is per token) and the target's full-vocab argmax at t+i+1 lies in the draft
-  vocab (CONTRACTS: such positions are masked).
+  vocab (docs/contracts.md: such positions are masked).
 - Attention at step i, query t: step-0 keys s <= t of the same sample, plus the keys of steps
   1..i at position t only (the "diagonal" cache). RoPE position of step i is t+i, the position
-  the draft token occupies at serving time. `ttt_attention_mask` states this as a dense mask;
-  `ttt_attention` computes it with a fused flash kernel for the step-0 block (its logsumexp
-  merged with the diagonal scores), keeping nothing T x T for backward.
+  the draft token occupies at serving time. tasks/model/attention.py states this as a dense mask
+  (`ttt_attention_mask`) and computes it (`ttt_attention`) keeping nothing T x T for backward.
 - A sample's logits and loss do not depend on what it is batched with (right padding; causal
   attention never reaches a padded key from a real query).
 - Loss: forward KL as soft cross entropy over the draft vocab, mean over counted positions per
@@ -30,7 +30,6 @@ Promises, in one place each:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -40,6 +39,7 @@ import torch
 from torch import nn
 
 from tasks.extract.hf_backend import validate_aux_layer_ids
+from tasks.model.attention import ttt_attention
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig, PreTrainedModel
@@ -249,171 +249,10 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding's half rotation over the last dim: (a, b) -> (-b, a)."""
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
-
-
-def ttt_attention_mask(attention_mask: torch.Tensor, step: int) -> torch.Tensor:
-    """The dense TTT mask at `step`: bool [B, T, T*(step+1)], True where query t may attend.
-
-    Keys are laid out step by step (step 0's T keys, then step 1's, ...). Query t sees step-0 key
-    s when s <= t and s is a real token of its sample, and for each later step j in 1..step only
-    the key at its own position t. The model never builds this mask (it computes the same thing
-    in O(T^2 + T*step)); it is the statement tests check the attention against.
-    """
-    b, t = attention_mask.shape
-    real = attention_mask.bool()
-    causal = torch.ones(t, t, dtype=torch.bool, device=real.device).tril()
-    blocks = [causal[None] & real[:, None, :]]
-    eye = torch.eye(t, dtype=torch.bool, device=real.device)
-    blocks += [eye[None].expand(b, t, t)] * step
-    return torch.cat(blocks, dim=-1)
-
-
-# Devices whose fused flash-attention kernel (with logsumexp and a backward that takes it) the TTT
-# attention uses for the step-0 block; elsewhere a dense float32 path computes the same thing.
-FUSED_ATTENTION_DEVICES = ("cpu",)
-
-
-def _step0_bias(attention_mask: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor | None, bool]:
-    """(additive bias, causal) for the step-0 block.
-
-    A [B, T] mask of real tokens gives a key-padding bias [B, 1, 1, T] (0 on real keys, -inf on
-    padding; None without padding) on top of the causal mask. A [B, T, T] mask is the step-0 block
-    itself (as `ttt_attention_mask(mask, 0)` or another caller's own): a bias [B, 1, T, T], not causal.
-    """
-    if attention_mask is None:
-        return None, True
-    if attention_mask.dim() == 3:
-        bias = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device)
-        return bias.masked_fill(~attention_mask.bool(), float("-inf"))[:, None], False
-    if bool(attention_mask.all()):
-        return None, True
-    bias = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device)
-    return bias.masked_fill(~attention_mask.bool(), float("-inf"))[:, None, None], True
-
-
-def _dense_step0(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None, scale: float,
-                 causal: bool) -> torch.Tensor:
-    """float32 step-0 scores [B, nh, T, T] with the mask applied (the portable path)."""
-    t = q.shape[-2]
-    g = q.shape[1] // k.shape[1]
-    s = torch.matmul(q.float(), k.float().repeat_interleave(g, dim=1).transpose(-1, -2)) * scale
-    if causal:
-        s = s.masked_fill(~torch.ones(t, t, dtype=torch.bool, device=q.device).tril(), float("-inf"))
-    return s if bias is None else s + bias.float()
-
-
-def _step0_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
-                   scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(softmax(S) V [B, nh, T, d], logsumexp of S [B, nh, T] float32) of the step-0 causal block."""
-    if q.device.type in FUSED_ATTENTION_DEVICES:  # fused flash kernel: no T x T scores, skips the masked half
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
-        return out, lse
-    s = _dense_step0(q, k, bias, scale, causal)
-    lse = s.logsumexp(-1)
-    g = q.shape[1] // k.shape[1]
-    out = torch.matmul((s - lse[..., None]).exp().to(v.dtype), v.repeat_interleave(g, dim=1))
-    return out, lse
-
-
-def _step0_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, bias: torch.Tensor | None, scale: float, causal: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of the step-0 block given the *merged* output and logsumexp (flash-attention backward)."""
-    if q.device.type in FUSED_ATTENTION_DEVICES:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
-    b, nh, t, d = q.shape
-    kvh, g = k.shape[1], q.shape[1] // k.shape[1]
-    p = (_dense_step0(q, k, bias, scale, causal) - lse[..., None]).exp()  # [B, nh, T, T] float32
-    do = dout.float()
-    dv = torch.matmul(p.transpose(-1, -2), do).view(b, kvh, g, t, d).sum(2)
-    dp = torch.matmul(do, v.float().repeat_interleave(g, dim=1).transpose(-1, -2))
-    ds = p * (dp - (do * out.float()).sum(-1, keepdim=True)) * scale
-    dq = torch.matmul(ds, k.float().repeat_interleave(g, dim=1))
-    dk = torch.matmul(ds.transpose(-1, -2), q.float()).view(b, kvh, g, t, d).sum(2)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-class _TTTAttention(torch.autograd.Function):
-    """softmax over [step-0 causal block | one diagonal score per cached step] in one function.
-
-    Forward: the step-0 block through a fused kernel that also returns its logsumexp, merged with
-    the diagonal scores by log-sum-exp. Backward: the step-0 block's gradient is the fused kernel's
-    backward called with the *merged* output and logsumexp (its probabilities exp(S - lse) are then
-    the merged softmax's, and rowsum(dO * O) is the merged one), plus the diagonal terms in closed
-    form. Saved for backward: q, k, v, the output and logsumexp, O(T) per head; no T x T tensor.
-    """
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, bias: torch.Tensor | None, causal: bool, k0: torch.Tensor, v0: torch.Tensor,
-                *cached: torch.Tensor) -> torch.Tensor:
-        b, nh, t, d = q.shape
-        kvh = k0.shape[1]
-        g = nh // kvh
-        scale = 1.0 / math.sqrt(d)
-        with torch.autocast(q.device.type, enabled=False):
-            o0, lse0 = _step0_forward(q, k0, v0, bias, scale, causal)
-            ctx.scale, ctx.causal, ctx.n, ctx.dtypes = scale, causal, len(cached) // 2, [c.dtype for c in cached]
-            if not cached:
-                ctx.save_for_backward(q, k0, v0, o0, lse0, bias)
-                return o0
-            qg = q.float().view(b, kvh, g, t, d)
-            ks = torch.stack([c.float() for c in cached[0::2]])  # [n, B, kvh, T, d]
-            vs = torch.stack([c.float() for c in cached[1::2]])
-            s = torch.einsum("bkgtd,nbktd->nbkgt", qg, ks) * scale  # the diagonal scores, float32
-            lse0 = lse0.float().view(b, kvh, g, t)
-            lse = torch.logaddexp(lse0, s.logsumexp(0))
-            p = (s - lse).exp()  # [n, B, kvh, g, T]
-            out = o0.float().view(b, kvh, g, t, d) * (lse0 - lse).exp()[..., None]
-            out = (out + torch.einsum("nbkgt,nbktd->bkgtd", p, vs)).view(b, nh, t, d).to(q.dtype)
-            ctx.save_for_backward(q, k0, v0, out, lse.view(b, nh, t), bias, ks, vs, p)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout: torch.Tensor):
-        dout = dout.contiguous()
-        with torch.autocast(dout.device.type, enabled=False):
-            if ctx.n == 0:
-                q, k0, v0, o0, lse0, bias = ctx.saved_tensors
-                dq, dk0, dv0 = _step0_backward(dout.to(q.dtype), q, k0, v0, o0, lse0, bias, ctx.scale, ctx.causal)
-                return dq, None, None, dk0, dv0
-            q, k0, v0, out, lse, bias, ks, vs, p = ctx.saved_tensors
-            b, nh, t, d = q.shape
-            kvh = k0.shape[1]
-            g = nh // kvh
-            dq, dk0, dv0 = _step0_backward(dout.to(q.dtype), q, k0, v0, out, lse, bias, ctx.scale, ctx.causal)
-            do = dout.float().view(b, kvh, g, t, d)
-            rowsum = (do * out.float().view(b, kvh, g, t, d)).sum(-1)  # [B, kvh, g, T]
-            dvs = torch.einsum("nbkgt,bkgtd->nbktd", p, do)
-            ds = p * (torch.einsum("bkgtd,nbktd->nbkgt", do, vs) - rowsum) * ctx.scale
-            dq = (dq.float() + torch.einsum("nbkgt,nbktd->bkgtd", ds, ks).reshape(b, nh, t, d)).to(q.dtype)
-            dks = torch.einsum("nbkgt,bkgtd->nbktd", ds, q.float().view(b, kvh, g, t, d))
-            grads: list[torch.Tensor] = []
-            for j in range(ctx.n):
-                grads += [dks[j].to(ctx.dtypes[2 * j]), dvs[j].to(ctx.dtypes[2 * j + 1])]
-        return (dq, None, None, dk0, dv0, *grads)
-
-
-def ttt_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of queries q [B, nh, T, d] over the TTT cache; returns [B, nh, T, d].
-
-    keys/values: one [B, kvh, T, d] tensor per step so far (this step's included, last).
-    attention_mask: bool [B, T], real tokens (None: all real): the step-0 block is causal over the
-    sample's real keys (the step-0 block of `ttt_attention_mask`); or bool [B, T, T], the step-0
-    block given as such (tasks/evaluate/offline.py passes its causal mask). Later steps contribute one
-    score per query (its own position). The step-0 block runs through a fused flash kernel on CPU (a dense
-    float32 path elsewhere); the diagonal scores and the merge are float32.
-    """
-    bias, causal = _step0_bias(attention_mask, q.dtype)
-    cached: list[torch.Tensor] = []
-    for k, v in zip(keys[1:], values[1:]):
-        cached += [k, v]
-    return _TTTAttention.apply(q, bias, causal, keys[0], values[0], *cached)
 
 
 class Eagle3Attention(nn.Module):
@@ -435,8 +274,8 @@ class Eagle3Attention(nn.Module):
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         cache.append((k, v))
         out = ttt_attention(q, [c[0] for c in cache], [c[1] for c in cache], attention_mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
@@ -477,7 +316,7 @@ class Eagle3DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def _shift_left(x: torch.Tensor, n: int, fill: float | bool = 0) -> torch.Tensor:
+def shift_left(x: torch.Tensor, n: int, fill: float | bool = 0) -> torch.Tensor:
     """x[:, t+n] at t (dim 1), `fill` past the end."""
     if n == 0:
         return x
@@ -551,7 +390,7 @@ class Eagle3Draft(nn.Module):
         hidden = self.fc(aux_hidden.to(self.fc.weight.dtype))
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i in range(steps):
-            embeds = self.embed_tokens(_shift_left(input_ids, i + 1))
+            embeds = self.embed_tokens(shift_left(input_ids, i + 1))
             cos, sin = self._rope(t, i)  # the step-i draft token sits at position t+i when served
             hidden = self.midlayer(embeds, hidden, cos, sin, cache, mask)
             yield hidden

@@ -12,7 +12,6 @@ call and every later call give models with identical logits; nothing runs remote
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib.util
 import inspect
 import json
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from storage.datasets import file_sha256, write_folder_atomically
+from tasks.ids import template_id
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -191,7 +191,7 @@ def embedded_identity(gguf: Path | None = None) -> tuple[Path, str, str]:
     """
     gguf = Path(gguf) if gguf else smollm2_gguf_path()
     template = gguf_chat_template(gguf)
-    return gguf, gguf_revision(gguf), "sha256:" + hashlib.sha256(template.encode()).hexdigest()[:16]
+    return gguf, gguf_revision(gguf), template_id(template)
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,7 @@ class TargetIdentity:
 
     @property
     def template_id(self) -> str:
-        return "sha256:" + hashlib.sha256(self.chat_template.encode()).hexdigest()[:16]
+        return template_id(self.chat_template)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

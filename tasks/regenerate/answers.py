@@ -2,7 +2,7 @@
 
 Owns generation identity, the conversation walk for modes `last` and `all`, reasoning handling,
 flags, and the async fan-out over a server pool. Promises:
-- A generation's id hashes the prompt id and `params_key` (target model and revision, chat
+- A generation's id hashes the prompt id and `params_key` (recipes in tasks/ids.py) (target model and revision, chat
   template, mode, reasoning handling, sampling parameters), so resume is by id, never by count.
 - Every prompt handed to `regenerate_all` ends as exactly one generation, one failure (with
   the reason and the attempt count) or one deferral (no server answered its last attempt: it
@@ -15,7 +15,6 @@ flags, and the async fan-out over a server pool. Promises:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -31,25 +30,7 @@ from tasks.discover.decontaminate import build_index
 from tasks.discover.outcomes import decide_outcomes
 from tasks.discover.prompts import Prompt, normalise_record
 from tasks.discover.sources import RawRecord, read_file
-
-
-def generation_params_key(cfg: RegenerateConfig, template_id: str) -> str:
-    blob = json.dumps(
-        {
-            "target": cfg.target_model,
-            "revision": cfg.target_revision,
-            "template": template_id,
-            "mode": cfg.mode,
-            "reasoning": cfg.reasoning,
-            "sampling": cfg.sampling.model_dump(mode="json"),
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def generation_id(prompt_id: str, params_key: str) -> str:
-    return hashlib.sha256(f"{prompt_id}\x00{params_key}".encode()).hexdigest()[:32]
+from tasks.ids import generation_id, generation_params_key
 
 
 @dataclass(frozen=True)
@@ -336,7 +317,7 @@ class GenerationWriter:
             size, digest = write_generation_file(gens, self.folder / name)
             file_row = {"file": name, "params_key": self.spec.params_key, "rows": len(gens), "bytes": size, "sha256": digest}
             rows = [lineage_row(g, name) for g in gens]
-        self.store.write_generations(self.run_id, file_row, rows, fails, discover_batch, deferrals)
+        self.store.generations.write(self.run_id, file_row, rows, fails, discover_batch, deferrals)
         return sum(r["completion_tokens"] or 0 for r in rows)
 
 
@@ -348,15 +329,15 @@ def import_finished_generations(imp: ImportConfig, index: int, writer: Generatio
     store, spec = writer.store, writer.spec
     source = f"import:{imp.name}"
     records, report = read_file(Path(imp.path), source)
-    seen = store.seen_record_keys(source)
+    seen = store.discover.seen_record_keys(source)
     records = [r for r in records if r.record_key not in seen]
     if not records:
         return 0, 0, report.stop_reason
     batch = decide_outcomes(records, {source: ("auto", "prompt", "response")}, store, imp.near_dedupe,
                             build_index(imp.decontaminate))
-    heldout = store.heldout_among(sorted({r["duplicate_of"] for r in batch.records if r["duplicate_of"]}))
+    heldout = store.discover.heldout_among(sorted({r["duplicate_of"] for r in batch.records if r["duplicate_of"]}))
     candidates = imported_generations(records, batch.records, spec, set(), heldout)
-    have = store.existing_generation_ids([g["generation_id"] for g in candidates])
+    have = store.generations.existing_ids([g["generation_id"] for g in candidates])
     gens = [g for g in candidates if g["generation_id"] not in have]
     writer.write(gens, [], name=f"import-{index}-{imp.name}-{writer.run_id[:12]}.parquet",
                  discover_batch=(batch.records, batch.prompts, batch.minhash))

@@ -145,11 +145,11 @@ def choose_batch(store, params_key: str, retry_failed: bool, limit: int | None,
     """The next regenerate batch from the store: its pending queue, pool and (acceptance) latest probe."""
     from tasks.discover.domains import TAGGER
 
-    queue = store.pending_queue(params_key, retry_failed, TAGGER)
+    queue = store.generations.pending_queue(params_key, retry_failed, TAGGER)
     if policy == "uniform":
         return select_prompts(queue, limit, policy)
-    probe = [ProbeRow(r["cluster"], r["acceptance"], r["prompts"], r["probe_id"]) for r in store.latest_probe(TAGGER)]
-    return select_prompts(queue, limit, policy, store.cluster_pool(TAGGER), probe, strength)
+    probe = [ProbeRow(r["cluster"], r["acceptance"], r["prompts"], r["probe_id"]) for r in store.selection.latest_probe(TAGGER)]
+    return select_prompts(queue, limit, policy, store.selection.cluster_pool(TAGGER), probe, strength)
 
 
 def selection_table(chosen: list[Selection]) -> list[dict]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tasks.model.draft import DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS, Eagle3Draft, Teacher, _shift_left
+from tasks.model.draft import DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS, Eagle3Draft, Teacher, shift_left
 from tasks.extract.hf_backend import Extracted, aux_hidden_float
 
 
@@ -109,7 +109,7 @@ class TeacherTargets:
         t = self.probs.shape[1]
         if self.rows is not None and n >= 0 and self.rows.shape[1] >= t + n:
             return self.rows[:, n:n + t]
-        return _shift_left(self.probs, n)
+        return shift_left(self.probs, n)
 
     def teacher_argmax(self) -> torch.Tensor:
         if self.argmax is None:
@@ -119,7 +119,7 @@ class TeacherTargets:
 
 def trained_teacher_positions(batch: Batch) -> torch.Tensor:
     """bool [B, T]: the positions u whose teacher any TTT step can count (token u+1 is loss-masked)."""
-    return _shift_left(batch.loss_mask.bool(), 1, False) & batch.attention_mask.bool()
+    return shift_left(batch.loss_mask.bool(), 1, False) & batch.attention_mask.bool()
 
 
 def _draft_max_beats_rest(x: torch.Tensor, d_max: torch.Tensor, d_tid: torch.Tensor, head: torch.Tensor,
@@ -305,8 +305,8 @@ class TTTResult:
 def counted_mask(loss_mask: torch.Tensor, argmax_in_draft: torch.Tensor, step: int) -> torch.Tensor:
     """bool [B, T]: the positions TTT `step` counts: token t+step+2 is loss-masked and the target's
     argmax at t+step+1 is a draft token."""
-    return (_shift_left(loss_mask.bool(), step + 2, False)
-            & _shift_left(argmax_in_draft.to(loss_mask.device).bool(), step + 1, False))
+    return (shift_left(loss_mask.bool(), step + 2, False)
+            & shift_left(argmax_in_draft.to(loss_mask.device).bool(), step + 1, False))
 
 
 def step_targets(batch: Batch, teacher: TeacherTargets, step: int) -> tuple[torch.Tensor, torch.Tensor]:

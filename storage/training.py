@@ -1,0 +1,54 @@
+"""Train's rows: each training run's identity, its metrics per step, and the rounds it trained.
+
+Owns the tables `train_runs`, `train_metrics` and `train_rounds` (which shards a round takes is
+`storage.extraction`'s; the checkpoints it exports are `storage.checkpoints`'). Promises: a
+training run's identity is registered once, by name, and kept; metrics are keyed by (run, step),
+so steps redone after a resume replace their first record; a round is recorded once.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+
+from storage.connection import DuckDBFile, dict_row, dict_rows, utc_now
+from storage.schema import METRIC_ROWS
+
+
+class TrainingRuns:
+    """Training runs, their metrics and their rounds."""
+
+    def __init__(self, db: DuckDBFile):
+        self.db = db
+
+    def register_run(self, run_id: str, row: dict) -> dict:
+        """The training run's identity; an existing one with the same name is returned as stored."""
+        with self.db.write() as con:
+            con.execute(
+                "INSERT INTO train_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                [row["run_name"], row["mode"], row["extract_key"], row["vocab_id"], row["target"], row["target_revision"],
+                 json.dumps(row["draft_config"], sort_keys=True), json.dumps(row["train_config"], sort_keys=True),
+                 run_id, utc_now()])
+            return dict_row(con.execute("SELECT * FROM train_runs WHERE run_name = ?", [row["run_name"]]))
+
+    def write_metrics(self, run_id: str, run_name: str, rows: list[dict]) -> None:
+        """Metrics rows keyed by (run, step): steps redone after a resume replace their first record."""
+        if not rows:
+            return
+        now = utc_now()
+        with self.db.write() as con:
+            con.register("m_in", pa.Table.from_pylist([{**r, "run_name": run_name, "run_id": run_id, "recorded_at": now}
+                                                       for r in rows], schema=METRIC_ROWS))
+            con.execute("INSERT OR REPLACE INTO train_metrics SELECT * FROM m_in")
+
+    def metrics(self, run_name: str) -> list[dict]:
+        """Every metrics row of a training run, by step."""
+        with self.db.read() as con:
+            return dict_rows(con.execute("SELECT * FROM train_metrics WHERE run_name = ? ORDER BY step", [run_name]))
+
+    def write_round(self, run_id: str, run_name: str, round_index: int, shards: list[str], samples: int,
+                    epochs: int, last_step: int) -> None:
+        with self.db.write() as con:
+            con.execute("INSERT INTO train_rounds VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                        [run_name, round_index, shards, samples, epochs, last_step, run_id, utc_now()])

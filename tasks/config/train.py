@@ -1,0 +1,61 @@
+"""The `train` section: the EAGLE-3 draft's training run, its rounds, schedule and exports."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from tasks.config.base import Strict, TargetConfig
+
+
+class TrainConfig(Strict):
+    """Parameters of the `train` flow: the EAGLE-3 draft on extracted shards (or online), in rounds."""
+
+    workspace: str = "runs/demo"
+    run_name: str = Field(default="draft", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+                          description="Names the training run; rerunning with the same name resumes it.")
+    mode: Literal["offline", "online"] = Field(
+        default="offline", description="offline: read extracted shards; online: compute states on the fly, no disk.")
+    extract_key: str | None = Field(default=None, description="Which extraction's shards (default: the latest).")
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    ttt_steps: int = Field(default=7, ge=1, le=16)
+    init: Literal["random", "target_head"] = Field(
+        default="random", description="How a new draft starts. target_head: lm_head from the target's head rows of the "
+                                      "draft vocab and norm from the target's final norm (the rest random); on SmolLM2 "
+                                      "it measured worse than random at 12.5K and 25K tokens (benchmarks/README, "
+                                      "selection).")
+    step_decay: float = Field(default=0.8, gt=0, le=1)
+    epochs: int = Field(default=1, ge=1, description="Passes over each round's shards.")
+    batch_tokens: int = Field(default=8192, ge=16, description="Padded tokens per micro-batch.")
+    grad_accum: int = Field(default=1, ge=1, description="Micro-batches per optimizer step (per process).")
+    lr: float = Field(default=1e-4, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(default=0, ge=0)
+    total_steps: int | None = Field(default=None, ge=1, description="Cosine horizon (required for cosine).")
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    grad_clip: float = Field(default=0.5, gt=0)
+    precision: Literal["fp32", "bf16"] = "fp32"
+    seed: int = 0
+    checkpoint_every: int = Field(default=200, ge=1, description="Optimizer steps between checkpoints.")
+    keep_checkpoints: int = Field(default=2, ge=1)
+    log_every: int = Field(default=10, ge=1)
+    delete_consumed: bool = Field(default=True, description="Delete a round's shards once trained on (frees the budget).")
+    max_steps: int | None = Field(default=None, ge=1, description="Stop after this many optimizer steps in total.")
+    export_formats: list[Literal["sglang", "speculators", "gguf"]] = Field(
+        default_factory=lambda: ["sglang", "speculators", "gguf"],
+        description="Formats exported after each round. gguf (llama.cpp) is converted from the sglang export by "
+                    "llama.cpp's convert_hf_to_gguf.py (needs sentencepiece and the pinned llama.cpp source).")
+    gguf_outtype: Literal["f32", "f16", "bf16", "q8_0"] = Field(
+        default="f32", description="Weight type of the gguf export (f32 keeps the bf16 export's values exactly).")
+
+    @model_validator(mode="after")
+    def _horizon(self) -> "TrainConfig":
+        if self.schedule == "cosine" and self.total_steps is None:
+            raise ValueError("schedule cosine needs total_steps (the horizon it decays over)")
+        if len(set(self.export_formats)) != len(self.export_formats):
+            raise ValueError(f"export_formats lists a format twice: {self.export_formats}")
+        if "gguf" in self.export_formats and "sglang" not in self.export_formats:
+            raise ValueError("export_formats: gguf is converted from the sglang export; list sglang too")
+        return self
