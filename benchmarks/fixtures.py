@@ -130,14 +130,15 @@ def chat_prompts(n: int) -> list[str]:
     raise AssertionError(f"only {len(out)} short chat prompts in the first records")
 
 
-def random_draft(target, n_draft: int, aux: tuple[int, ...], seed: int = 1) -> Eagle3Draft:
+def random_draft(target, n_draft: int, aux: tuple[int, ...], seed: int = 1, **shape) -> Eagle3Draft:
     """An untrained EAGLE-3 draft for `target` (a transformers model): seeded random weights and a seeded
-    random `n_draft`-token vocabulary, with the target's embeddings; in eval mode."""
+    random `n_draft`-token vocabulary, with the target's embeddings; in eval mode. `shape`: DraftConfig
+    fields to change (e.g. norm_before_fc=True)."""
     from tasks.model.draft import DraftConfig, Eagle3Draft, load_target_embeddings
 
     cfg = target.config
     torch.manual_seed(seed)
-    draft = Eagle3Draft(DraftConfig.from_target_config(cfg, n_draft, aux))
+    draft = Eagle3Draft(DraftConfig.from_target_config(cfg, n_draft, aux, **shape))
     ids = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(seed))[:n_draft].sort().values
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[ids] = True

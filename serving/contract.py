@@ -21,6 +21,8 @@ import numpy as np
 from serving.doctor.core import Check, Context, EngineContract, TargetInfo, make_context
 from serving.draft_folder import (
     CONFIG_FILE,
+    EAGLE31_FLAGS,
+    EAGLE31_WEIGHTS,
     KNOWN,
     LAYER_FIELDS,
     PREFIXES,
@@ -94,7 +96,7 @@ def folder_checks(ctx: Context) -> list[Check]:
     checks = (contract.check_architecture(ctx), check_config_fields(ctx), check_weight_keys(ctx),
               check_required(ctx), check_weight_shapes(ctx), check_hidden(ctx), check_fc(ctx), check_q_proj(ctx),
               check_lm_head(ctx), check_target_vocab(ctx), check_vocab_mapping(ctx), contract.check_eagle_config(ctx),
-              check_use_aux(ctx), check_tie(ctx), *(c(ctx) for c in contract.extra_checks))
+              check_use_aux(ctx), check_tie(ctx), check_eagle31_norms(ctx), *(c(ctx) for c in contract.extra_checks))
     return [c for c in checks if c is not None and c.name not in contract.ignores]
 
 
@@ -328,6 +330,43 @@ def check_use_aux(ctx: Context) -> Check | None:
     if not ctx.contract.top_level_use_aux and not isinstance(eagle, Mapping):
         return None  # eagle_config names the missing block
     return Check("use_aux_hidden_state", True, "aux hidden states are used")
+
+
+def check_eagle31_norms(ctx: Context) -> Check | None:
+    """The Eagle 3.1 norms (norm_before_fc, fc_norm, norm_output): refused by an engine without them, and on
+    one that serves them, each flag matched by its weights (a flag without them serves uninitialised norms,
+    weights without their flag are never applied). None for a draft that uses none."""
+    config = ctx.folder.config
+    flags = [f for f in EAGLE31_FLAGS if config.get(f) is True]
+    have = set(ctx.folder.canonical.values())
+    weights = [w for w in EAGLE31_WEIGHTS if w in have]
+    if not flags and not weights:
+        return None
+    if not ctx.contract.serves_eagle31_norms:
+        used = ", ".join(flags + [w for w in weights if not flags])
+        return Check("eagle31_norms", False, f"the draft was trained with Eagle 3.1 norms ({used}); "
+                                             f"{ctx.contract.name} has no such option and would serve it without them: "
+                                             "wrong hidden states, acceptance collapses without an error. Serve it "
+                                             "with vLLM (the speculators format), or train without the norms.")
+    h = ctx.hidden
+    shapes = {canonical_key(k): s for k, s in ctx.folder.shapes.items()}
+    problems = []
+    if (config.get("norm_before_fc") is True) != ("input_norm.weight" in have):
+        problems.append("norm_before_fc is set but input_norm.weight is missing (vLLM would serve an uninitialised "
+                        "norm)" if "input_norm.weight" not in have else
+                        "input_norm.weight is present but norm_before_fc is not true (vLLM would never apply it)")
+    fc_norm = [w for w in EAGLE31_WEIGHTS if w.startswith("fc_norm.") and w in have]
+    if (config.get("fc_norm") is True) != bool(fc_norm) or (fc_norm and len(fc_norm) != 3):
+        problems.append(f"fc_norm is {config.get('fc_norm')!r} but {len(fc_norm)} of its 3 weights are present")
+    if config.get("norm_before_fc") is True and config.get("fc_norm") is True:
+        problems.append("norm_before_fc and fc_norm are both set: one norm before fc or one per aux state, not both")
+    if h and "input_norm.weight" in shapes and list(shapes["input_norm.weight"]) != [3 * h]:
+        problems.append(f"input_norm.weight has shape {list(shapes['input_norm.weight'])}, expected [{3 * h}] "
+                        "(the three aux states)")
+    if problems:
+        return Check("eagle31_norms", False, "; ".join(problems) + ". Re-export the draft "
+                                                                 "(serving.vllm.export.export_speculators).")
+    return Check("eagle31_norms", True, "Eagle 3.1 norms: " + ", ".join(flags) + ", with their weights")
 
 
 def check_tie(ctx: Context) -> Check:

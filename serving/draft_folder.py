@@ -30,7 +30,10 @@ MIDLAYER_KEYS = ("input_layernorm.weight", "hidden_norm.weight", "post_attention
                  "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 REQUIRED = ("fc.weight", *(f"midlayer.{k}" for k in MIDLAYER_KEYS), "norm.weight", "lm_head.weight", "d2t", "t2d")
-KNOWN = frozenset((*REQUIRED, "embed_tokens.weight"))
+# The Eagle 3.1 norms' weights (speculators' names): only an engine that serves them may load a folder holding them.
+EAGLE31_WEIGHTS = ("input_norm.weight", "fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight")
+EAGLE31_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
+KNOWN = frozenset((*REQUIRED, "embed_tokens.weight", *EAGLE31_WEIGHTS))
 PREFIXES = ("draft_model.", "model.")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # The draft layer's Llama fields without which no engine can build it.

@@ -46,6 +46,14 @@ class Checkpoints:
             return dict_row(con.execute(
                 "SELECT * FROM checkpoints WHERE format = ? ORDER BY created_at DESC LIMIT 1", [fmt]))
 
+    def latest_export(self, run_name: str, fmt: str) -> dict | None:
+        """The newest registered export in format `fmt` of training run `run_name` (None if none)."""
+        if not self.db.path.exists():
+            return None
+        with self.db.read() as con:
+            return dict_row(con.execute("SELECT * FROM checkpoints WHERE run_name = ? AND format = ? "
+                                        "ORDER BY created_at DESC LIMIT 1", [run_name, fmt]))
+
     def export_of(self, run_name: str, step: int, fmt: str) -> dict | None:
         """The latest registered export in format `fmt` of training run `run_name` at `step` (None if none)."""
         if not self.db.path.exists():

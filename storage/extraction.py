@@ -150,14 +150,15 @@ class Extractions:
             return con.execute("SELECT coalesce(max(CAST(regexp_extract(shard, '-([0-9]+)[.]safetensors$', 1) AS BIGINT)), 0) "
                                "FROM shards").fetchall()[0][0]
 
-    def round_shards(self, extract_key: str, consumer: str, exclude: list[str]) -> list[dict]:
-        """Shards a training round takes: written ones, plus ones this consumer read but did not finish."""
+    def round_shards(self, extract_key: str, consumer: str, exclude: list[str], kept: bool = False) -> list[dict]:
+        """Shards a training round takes: written ones, plus ones this consumer read but did not finish;
+        `kept`: also those another run consumed and kept (every shard still on disk)."""
         with self.db.read() as con:
             return dict_rows(con.execute(
                 "SELECT shard, sha256, samples, tokens FROM shards WHERE extract_key = ? "
-                "AND (state = 'written' OR (state = 'consumed' AND consumed_by = ?)) "
+                "AND (state = 'written' OR (state = 'consumed' AND (consumed_by = ? OR ?))) "
                 "AND shard NOT IN (SELECT unnest(?::VARCHAR[])) ORDER BY created_at, shard",
-                [extract_key, consumer, exclude]))
+                [extract_key, consumer, kept, exclude]))
 
     def shard_samples(self, shards: list[str]) -> list[tuple[str, int, int]]:
         """(shard, slot, tokens) of every extracted sample in these shards."""

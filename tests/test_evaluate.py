@@ -36,8 +36,8 @@ def tiny():
     return LlamaForCausalLM(config).eval()
 
 
-def _draft(target, n_draft: int = N_DRAFT, aux=AUX, seed: int = 1) -> Eagle3Draft:
-    return random_draft(target, n_draft, aux, seed)
+def _draft(target, n_draft: int = N_DRAFT, aux=AUX, seed: int = 1, **shape) -> Eagle3Draft:
+    return random_draft(target, n_draft, aux, seed, **shape)
 
 
 def _prompts(n: int, seed: int = 0) -> list[BenchPrompt]:
@@ -100,23 +100,30 @@ def test_every_drafter_leaves_greedy_output_unchanged_stop_ids_included(tiny):
     assert report.get("oracle").tokens_per_verify_round > 4.0
 
 
-def test_decode_chain_equals_ttt_steps_under_teacher_forcing(tiny):
-    """Step j at the last context position, fed the true tokens, is TTT step j at that position."""
-    draft = _draft(tiny)
+@pytest.mark.parametrize("norms", [{}, {"norm_before_fc": True, "norm_output": True}, {"norm_output": True}],
+                         ids=["eagle3", "eagle3.1-norms", "norm-output-only"])
+def test_decode_chain_equals_ttt_steps_under_teacher_forcing(tiny, norms):
+    """Step j at the last context position, fed the true tokens, is TTT step j at that position (with the
+    Eagle 3.1 norms too: the serving-time chain and training apply them at the same places)."""
+    draft = _draft(tiny, **norms)
+    with torch.no_grad():  # norm weights that are not all ones, so that a norm skipped on one side shows
+        for name, p in draft.named_parameters():
+            if name in ("norm.weight", "input_norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=torch.Generator().manual_seed(7)) + 0.5)
     ids = torch.randint(0, V, (1, 16), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         states = tiny(input_ids=ids, output_hidden_states=True).hidden_states
         aux = torch.cat([states[i + 1] for i in AUX], dim=-1)
         ttt = [logits[0] for _, logits in draft.steps(aux, ids, steps=4)]
         for t in (3, 9):
-            chain = draft_chain_logits(draft, draft.fc(aux[0, :t + 1]), ids[0, :t + 2], 4,
+            chain = draft_chain_logits(draft, draft.fuse(aux[0, :t + 1]), ids[0, :t + 2], 4,
                                        forced=ids[0, t + 2:t + 5].tolist())
             for j in range(4):
                 torch.testing.assert_close(chain[j], ttt[j][t], atol=1e-5, rtol=1e-4)
         # Free-running proposals are the argmax chain of the same recurrence.
         state = TargetState(ids[0, :11], tuple(h[0, :10] for h in states))
         proposals = Eagle3Drafter(draft).propose(state, 3)
-        chain = draft_chain_logits(draft, draft.fc(aux[0, :10]), ids[0, :11], 3, forced=proposals[:2])
+        chain = draft_chain_logits(draft, draft.fuse(aux[0, :10]), ids[0, :11], 3, forced=proposals[:2])
     assert proposals == [int(draft.draft_to_target[c.argmax()]) for c in chain]
 
 

@@ -383,3 +383,55 @@ def test_export_refuses_a_draft_without_vocab(tmp_path):
         export_sglang(Eagle3Draft(_config()), tmp_path / "novocab")
     assert not (tmp_path / "novocab").exists()
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+# ---- Eagle 3.1 norms (norm_before_fc, norm_output): vLLM serves them, SGLang and llama.cpp do not -------------
+
+@pytest.fixture(scope="module")
+def norms_draft() -> Eagle3Draft:
+    return _draft(_config(norm_before_fc=True, norm_output=True), seed=4)
+
+
+def test_eagle31_norms_change_the_draft_and_round_trip_through_vllms_format(draft, norms_draft, tmp_path):
+    assert norms_draft.input_norm.weight.shape == (3 * H,) and not hasattr(draft, "input_norm")
+    assert "norm_before_fc" not in draft.config.to_dict()  # identities recorded before the options still match
+    assert norms_draft.config.to_dict()["norm_output"] is True
+    folder = export_speculators(norms_draft, tmp_path / "spec", VERIFIER, dtype=torch.float32)
+    cfg = json.loads((folder / "config.json").read_text())
+    assert (cfg["norm_before_fc"], cfg["norm_output"], "fc_norm" in cfg) == (True, True, False)  # top level
+    assert "input_norm.weight" in load_file(str(folder / "model.safetensors"))
+    back = load_draft(folder, embed_tokens=norms_draft.embed_tokens.weight)
+    assert back.config == norms_draft.config
+    aux, ids = _inputs(5)
+    with torch.no_grad():
+        for a, b in zip(norms_draft(aux, ids, steps=3), back(aux, ids, steps=3)):
+            assert torch.equal(a, b)
+        # each option changes what the draft computes (a norm dropped on load would show)
+        plain = Eagle3Draft(_config())
+        plain.load_state_dict({k: v for k, v in norms_draft.state_dict().items() if k != "input_norm.weight"})
+        assert not torch.allclose(plain(aux, ids, steps=1)[0], norms_draft(aux, ids, steps=1)[0])
+        only_fc = Eagle3Draft(_config(norm_before_fc=True))
+        only_fc.load_state_dict(norms_draft.state_dict())
+        assert torch.equal(only_fc(aux, ids, steps=1)[0], norms_draft(aux, ids, steps=1)[0])  # step 0 is the same
+        assert not torch.allclose(only_fc(aux, ids, steps=2)[1], norms_draft(aux, ids, steps=2)[1])  # norm_output
+
+
+def test_eagle31_norms_are_refused_for_sglang_at_export_and_by_its_contract(draft, norms_draft, tmp_path):
+    with pytest.raises(ValueError, match="SGLang has no Eagle 3.1 norms .*norm_before_fc, norm_output"):
+        export_sglang(norms_draft, tmp_path / "sg")
+    assert not (tmp_path / "sg").exists()
+    # an SGLang folder someone gave the flags and the weight: the contract (export's read-back, the doctor) refuses
+    folder = _edit(export_sglang(draft, tmp_path / "sg2"), config=lambda c: c.update(norm_before_fc=True),
+                   tensors=lambda t: t.__setitem__("input_norm.weight", torch.ones(3 * H)))
+    assert any(p.startswith("eagle31_norms: ") and "sglang has no such option" in p for p in check_sglang(folder))
+
+
+@pytest.mark.parametrize("edit, match", [
+    (dict(tensors=lambda t: t.pop("input_norm.weight")), "norm_before_fc is set but input_norm.weight is missing"),
+    (dict(config=lambda c: c.pop("norm_before_fc")), "input_norm.weight is present but norm_before_fc is not true"),
+    (dict(config=lambda c: c.update(fc_norm=True)), "fc_norm is True but 0 of its 3 weights"),
+    (dict(tensors=lambda t: t.__setitem__("input_norm.weight", torch.ones(H))), r"input_norm.weight has shape \[64\]"),
+])
+def test_vllm_contract_matches_each_norm_flag_with_its_weights(norms_draft, tmp_path, edit, match):
+    folder = _edit(export_speculators(norms_draft, tmp_path / "spec", VERIFIER), **edit)
+    _refused(folder, match, loader=load_speculators)

@@ -70,12 +70,18 @@ def test_each_arm_gets_its_workspace_selection_seed_and_the_proxy():
     assert same(arms["uniform"]) == same(arms["acceptance"]) == same(arms["uniform-seed1"])
     # the study is one recipe (bf16) on every machine; the f32 arm changes the target's dtype in every stage
     for arm, c in arms.items():
-        want = "float32" if arm.startswith("uniform-f32") else "bfloat16"
+        want = "float32" if arm.startswith("uniform-f32") or arm == "recipe-data" else "bfloat16"
         assert {c.extract.target.dtype, c.train.target.dtype, c.benchmark.target.dtype, c.probe.target.dtype} == {want}
     # the steps arm is uniform-f32 with the recipe's optimizer steps changed, and nothing else
     steps, f32 = arms["uniform-f32-steps"], arms["uniform-f32"]
     assert (steps.train.epochs, steps.train.batch_tokens) == (4, 2048) != (f32.train.epochs, f32.train.batch_tokens)
     assert same(steps) == same(f32) and steps.regenerate.selection == f32.regenerate.selection == "uniform"
+    # the recipe study's data: the 1-epoch arm's recipe with its shards kept for the recipe arms to train on
+    data, one = arms["recipe-data"], arms["uniform-f32-1epoch"]
+    assert not data.train.delete_consumed and one.train.delete_consumed
+    assert data.train.model_dump(exclude={"workspace", "run_name", "delete_consumed"}) == \
+        one.train.model_dump(exclude={"workspace", "run_name", "delete_consumed"})
+    assert same(data) == same(one)
 
 
 def test_the_report_compares_arms_with_the_noise_floor(tmp_path):

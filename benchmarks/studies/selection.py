@@ -51,6 +51,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from benchmarks.report import RESULTS, ROOT
@@ -77,9 +79,14 @@ ARMS = {"uniform": {"selection": "uniform", "seed": None},
         # the steps arm's batches, one epoch: more data for the same training compute. On 2 cores a point's
         # training dominates its cost, so this is the arm whose 800K point fits one session on a fresh machine
         "uniform-f32-1epoch": {"selection": "uniform", "seed": None, "target": {"dtype": "float32"},
-                               "train": {"epochs": 1, "batch_tokens": 2048}, "against": "uniform-f32-steps"}}
+                               "train": {"epochs": 1, "batch_tokens": 2048}, "against": "uniform-f32-steps"},
+        # uniform-f32-1epoch's recipe with its shards kept: the extraction the recipe study's arms all train on
+        # (benchmarks/studies/recipe.py), at sizes whose shards fit the disk budget in one round
+        "recipe-data": {"selection": "uniform", "seed": None, "target": {"dtype": "float32"},
+                        "train": {"epochs": 1, "batch_tokens": 2048, "delete_consumed": False}}}
 PLOT_STYLES = {"uniform": "o-", "acceptance": "s-", "uniform-seed1": "x:", "uniform-head": "^--", "uniform-f32": "d-",
-               "uniform-f32-steps": "D--", "uniform-f32-1epoch": "v-."}
+               "uniform-f32-steps": "D--", "uniform-f32-1epoch": "v-.",
+               "recipe-data": "P-"}
 DEFAULT_SIZES = [12_500, 25_000, 50_000]
 # The target's answers the arms asked for, kept in git: a later session, on another machine, starts
 # its cache with them and regenerates only what no earlier session asked.
@@ -279,12 +286,40 @@ def plot(results: Path, out: Path, k: int = 3) -> Path | None:
 
 # ---------------------------------------------------------------- the run
 
+@contextmanager
+def answer_proxy(cfg, root: Path) -> Iterator[tuple[str, str, str]]:
+    """llama-server (the config's embedded server) behind the caching proxy (benchmarks/studies/answer_cache.py),
+    the proxy's cache under `root` seeded with the packed answers: yields (the proxy's URL, the target's
+    revision, its chat template id) for the arms' regenerate; both stop on exit, the proxy printing its counts."""
+    from serving.llamacpp.server import LlamaCppServer, free_port
+    from tasks.model.target import embedded_identity
+
+    es = cfg.regenerate.embedded_server
+    gguf, revision, template_id = embedded_identity(es.gguf)
+    proxy_port = free_port()
+    proxy = None
+    try:
+        with LlamaCppServer(gguf=gguf, port=es.port, n_ctx=es.n_ctx, n_threads=es.n_threads, parallel=es.parallel,
+                            log_path=root / "logs" / "llama-server.log") as server:
+            proxy = subprocess.Popen([sys.executable, "-m", "benchmarks.studies.answer_cache", "--upstream",
+                                      server.base_url, "--port", str(proxy_port),
+                                      "--cache", str((root / "answers").resolve()), "--seed", str(ANSWERS)],
+                                     stdout=subprocess.PIPE, text=True, cwd=ROOT)
+            proxy_url = f"http://127.0.0.1:{proxy_port}"
+            _wait_for(proxy_url)
+            yield proxy_url, revision, template_id
+    finally:
+        if proxy is not None:
+            proxy.terminate()
+            out, _ = proxy.communicate(timeout=10)
+            print(f"answer cache: {out.strip()}", flush=True)
+
+
 def run(args: argparse.Namespace) -> None:
     from flows.prefect_api import start_local_api
     from flows.probe import probe
-    from serving.llamacpp.server import LlamaCppServer, free_port
+    from serving.llamacpp.server import free_port
     from tasks.config import load_config
-    from tasks.model.target import embedded_identity
 
     cfg = load_config(args.config)
     if args.quick:
@@ -296,21 +331,12 @@ def run(args: argparse.Namespace) -> None:
     os.environ["PREFECT_HOME"] = str(home)
     os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
     _, api = start_local_api(home, port)
-    es = cfg.regenerate.embedded_server
-    gguf, revision, template_id = embedded_identity(es.gguf)
-    proxy_port = free_port()
-    proxy = None
     shared = Measuring()  # one target and one set of greedy paths for every arm: the same held-out prompts
     started = time.monotonic()
+    proxied = False
     try:
-        with LlamaCppServer(gguf=gguf, port=es.port, n_ctx=es.n_ctx, n_threads=es.n_threads, parallel=es.parallel,
-                            log_path=root / "logs" / "llama-server.log") as server:
-            proxy = subprocess.Popen([sys.executable, "-m", "benchmarks.studies.answer_cache", "--upstream",
-                                      server.base_url, "--port", str(proxy_port),
-                                      "--cache", str((root / "answers").resolve()), "--seed", str(ANSWERS)],
-                                     stdout=subprocess.PIPE, text=True, cwd=ROOT)
-            proxy_url = f"http://127.0.0.1:{proxy_port}"
-            _wait_for(proxy_url)
+        with answer_proxy(cfg, root) as (proxy_url, revision, template_id):
+            proxied = True
             arms = list(args.arms)
             changes = [parse_change(a) for a in args.ablate]  # a bad one fails before any work
             studies = {}
@@ -349,16 +375,12 @@ def run(args: argparse.Namespace) -> None:
                 for size, change in [(size, None) for size in args.controls] + [(args.ablate_size, c) for c in changes]:
                     st.control_point(size, change)
     finally:
-        if proxy is not None:
-            proxy.terminate()
-            out, _ = proxy.communicate(timeout=10)
-            print(f"answer cache: {out.strip()}", flush=True)
-            if not args.quick:  # the answers and the points outlive this machine (runs/ does not)
-                from benchmarks.studies.answer_cache import pack
+        if proxied and not args.quick:  # the answers and the points outlive this machine (runs/ does not)
+            from benchmarks.studies.answer_cache import pack
 
-                print(f"{pack(root / 'answers', ANSWERS)} answers packed into {ANSWERS}", flush=True)
-                if results.exists():
-                    merge_points(results, RESULTS / "selection.jsonl")
+            print(f"{pack(root / 'answers', ANSWERS)} answers packed into {ANSWERS}", flush=True)
+            if results.exists():
+                merge_points(results, RESULTS / "selection.jsonl")
         if api is not None:
             api.terminate()
     print(f"\nstudy wall time this run: {time.monotonic() - started:.0f} s\n")

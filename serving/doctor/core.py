@@ -194,6 +194,7 @@ class EngineContract:
     launch_checks: Callable[[list[str], list[str], Path, TargetInfo], list[Check]]  # (argv, engine args, draft, target)
     # -- optional: what only some engines have
     extra_checks: tuple[Callable[[Context], Check | None], ...] = ()  # reported after tie_word_embeddings
+    serves_eagle31_norms: bool = False  # reads norm_before_fc / fc_norm / norm_output (speculators' top-level flags)
     extra_repairs: Mapping[str, Callable[[dict[str, Any]], str]] = field(default_factory=dict)  # check -> config fix
     unwritable_ids_hint: Callable[[Context], str] = _no_hint  # aux_layers' advice when no id list can be written
     misspelled_keys: Callable[[Sequence[str]], tuple[list[str], str | None]] = _no_misspelled_keys  # keys, problem

@@ -49,6 +49,9 @@ def export_sglang(draft: Eagle3Draft, folder: str | Path, *, sglang_version: SGL
     with include_embeddings. The written folder is checked as `load_sglang` would check it.
     """
     draft_io.check_exportable(draft)
+    if draft.config.eagle31_norms:
+        raise ValueError(f"SGLang has no Eagle 3.1 norms ({', '.join(draft.config.eagle31_norms)}): it would serve this "
+                         "draft without them. Export it for vLLM (serving.vllm.export.export_speculators).")
     config = sglang_config(draft.config, sglang_version, dtype)
     tensors = draft_io.draft_tensors(draft, "midlayer.", include_embeddings, dtype)
     trained = list(draft.config.aux_layer_ids)

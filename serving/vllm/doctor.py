@@ -183,6 +183,7 @@ CONTRACT = EngineContract(
     launch_usage="vllm serve MODEL ...",
     launch_checks=launch_checks,
     extra_checks=(check_norm_before_residual,),
+    serves_eagle31_norms=True,  # vLLM 0.32 reads them from the config's top level (speculators' Eagle 3.1)
     extra_repairs={"norm_before_residual": repair_norm_before_residual},
     spell_key=spell_key,
     live_checks=live_checks,

@@ -51,6 +51,8 @@ def speculators_config(config: DraftConfig, verifier_name_or_path: str,
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": str(verifier_name_or_path), "architectures": list(verifier_architectures)},
         },
+        # Eagle 3.1 (speculators' names, top level as vLLM reads them); absent when off, as every older folder
+        **{name: True for name in config.eagle31_norms},
         PROJECT_KEY: draft_io.project_record(config),
     }
 
@@ -86,7 +88,9 @@ def load_speculators(folder: str | Path, *, embed_tokens: torch.Tensor | None = 
     aux = draft_io.trained_layers(config, written, expected_aux_layer_ids,
                                   lambda w: vllm_capture_layers(w, layers), folder)
     layer = config["transformer_layer_config"]
-    draft_config = draft_io.draft_config_from_layer(layer, config["draft_vocab_size"], aux, layers)
+    draft_config = draft_io.draft_config_from_layer(layer, config["draft_vocab_size"], aux, layers,
+                                                    norm_before_fc=config.get("norm_before_fc") is True,
+                                                    norm_output=config.get("norm_output") is True)
     # vLLM renames midlayer. to layers.0. itself, so a speculators file may hold either spelling.
     key_map = {k: "midlayer." + k.removeprefix("layers.0.").removeprefix("midlayer.")
                if k.startswith(("layers.0.", "midlayer.")) else k for k in loaded.shapes}

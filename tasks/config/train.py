@@ -25,6 +25,14 @@ class TrainConfig(Strict):
                                       "draft vocab and norm from the target's final norm (the rest random); on SmolLM2 "
                                       "it measured worse than random at 12.5K and 25K tokens (benchmarks/README, "
                                       "selection).")
+    head: Literal["trained", "frozen"] = Field(
+        default="trained", description="frozen: the draft's lm_head keeps the target's own head rows of the draft "
+                                       "vocab and is never updated (needs init: target_head), as speculators trains "
+                                       "it; on a tied-embedding target the head is the draft's largest matrix.")
+    norm_before_fc: bool = Field(default=False, description="Eagle 3.1: an RMSNorm over the three aux states before fc. "
+                                                            "Served by vLLM only (export_formats: [speculators]).")
+    norm_output: bool = Field(default=False, description="Eagle 3.1: each draft step hands the next its normed output, "
+                                                         "not the raw one. Served by vLLM only.")
     step_decay: float = Field(default=0.8, gt=0, le=1)
     epochs: int = Field(default=1, ge=1, description="Passes over each round's shards.")
     batch_tokens: int = Field(default=8192, ge=16, description="Padded tokens per micro-batch.")
@@ -33,7 +41,8 @@ class TrainConfig(Strict):
     weight_decay: float = Field(default=0.0, ge=0)
     schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = Field(default=0, ge=0)
-    total_steps: int | None = Field(default=None, ge=1, description="Cosine horizon (required for cosine).")
+    total_steps: int | None = Field(default=None, ge=1, description="Cosine horizon in optimizer steps (default: every "
+                                                                 "epoch of the first round this run trains).")
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
     grad_clip: float = Field(default=0.5, gt=0)
     precision: Literal["fp32", "bf16"] = "fp32"
@@ -42,7 +51,17 @@ class TrainConfig(Strict):
     keep_checkpoints: int = Field(default=2, ge=1)
     log_every: int = Field(default=10, ge=1)
     delete_consumed: bool = Field(default=True, description="Delete a round's shards once trained on (frees the budget).")
+    replay_kept_shards: bool = Field(
+        default=False, description="Also train on shards that other runs consumed and kept (their delete_consumed: "
+                                   "false): several recipes on one extraction. Such a run deletes nothing.")
     max_steps: int | None = Field(default=None, ge=1, description="Stop after this many optimizer steps in total.")
+    validation_samples: int = Field(
+        default=0, ge=0, description="Samples of each round held out of training (chosen by seed): the draft's "
+                                     "expected acceptance on them is measured every `validate_every` steps and at "
+                                     "the end of each epoch, and the round's export is the best draft so measured, "
+                                     "not the last. 0: no validation, the last draft is exported.")
+    validate_every: int | None = Field(default=None, ge=1,
+                                       description="Optimizer steps between validations (default: checkpoint_every).")
     export_formats: list[Literal["sglang", "speculators", "gguf"]] = Field(
         default_factory=lambda: ["sglang", "speculators", "gguf"],
         description="Formats exported after each round. gguf (llama.cpp) is converted from the sglang export by "
@@ -52,8 +71,14 @@ class TrainConfig(Strict):
 
     @model_validator(mode="after")
     def _horizon(self) -> "TrainConfig":
-        if self.schedule == "cosine" and self.total_steps is None:
-            raise ValueError("schedule cosine needs total_steps (the horizon it decays over)")
+        if self.head == "frozen" and self.init != "target_head":
+            raise ValueError("head: frozen keeps the head it starts with; it needs init: target_head "
+                             "(a frozen random head would never learn)")
+        if (self.norm_before_fc or self.norm_output) and set(self.export_formats) - {"speculators"}:
+            raise ValueError("norm_before_fc / norm_output (Eagle 3.1) are served by vLLM only: SGLang and llama.cpp "
+                             "would serve the draft without them; set export_formats: [speculators]")
+        if self.replay_kept_shards and self.delete_consumed:
+            raise ValueError("replay_kept_shards trains on shards other runs keep; it needs delete_consumed: false")
         if len(set(self.export_formats)) != len(self.export_formats):
             raise ValueError(f"export_formats lists a format twice: {self.export_formats}")
         if "gguf" in self.export_formats and "sglang" not in self.export_formats:

@@ -119,6 +119,7 @@ def draft_chain_logits(draft: Eagle3Draft, fused_hidden: torch.Tensor, tokens: t
     hidden = layer(draft.embed_tokens(tokens[1:])[None], fused_hidden.to(device, dtype)[None], cos, sin, cache,
                    causal)[:, -1:]
     logits = [draft.lm_head(draft.norm(hidden))[0, 0]]
+    hidden = draft.next_hidden(hidden)
     keys, values = [cache[0][0]], [cache[0][1]]
     nh, kvh, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
     scale = 1.0 / math.sqrt(hd)
@@ -141,8 +142,9 @@ def draft_chain_logits(draft: Eagle3Draft, fused_hidden: torch.Tensor, tokens: t
         w = (torch.matmul(qg, kk.unsqueeze(2).transpose(-1, -2)).float() * scale).softmax(-1).to(q.dtype)
         out = torch.matmul(w, vv.unsqueeze(2)).view(1, nh, 1, hd).transpose(1, 2).reshape(1, 1, nh * hd)
         h = hidden + attn.o_proj(out)  # the residual is the raw hidden, as in the midlayer
-        hidden = h + layer.mlp(layer.post_attention_layernorm(h))
-        logits.append(draft.lm_head(draft.norm(hidden))[0, 0])
+        out = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits.append(draft.lm_head(draft.norm(out))[0, 0])
+        hidden = draft.next_hidden(out)
     return logits
 
 
@@ -167,7 +169,7 @@ class Eagle3Drafter:
         dtype = draft.fc.weight.dtype
         if self.hidden == "aux":
             aux = torch.cat([state.hidden_states[i + 1] for i in draft.config.aux_layer_ids], dim=-1)
-            fused = draft.fc(aux.to(draft.fc.weight.device, dtype))
+            fused = draft.fuse(aux.to(draft.fc.weight.device, dtype))
         else:
             fused = state.hidden_states[-1]
         logits = draft_chain_logits(draft, fused, state.tokens, k)

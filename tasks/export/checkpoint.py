@@ -127,8 +127,10 @@ def write_draft_folder(folder: str | Path, config: dict[str, Any], tensors: dict
 
 # ---------------------------------------------------------------- reading back
 
-def draft_config_from_layer(layer: Mapping[str, Any], n_draft: int, aux: Sequence[int], layers: int) -> DraftConfig:
-    """The `DraftConfig` a draft layer's Llama fields (either format's spelling) describe."""
+def draft_config_from_layer(layer: Mapping[str, Any], n_draft: int, aux: Sequence[int], layers: int,
+                            norm_before_fc: bool = False, norm_output: bool = False) -> DraftConfig:
+    """The `DraftConfig` a draft layer's Llama fields (either format's spelling) describe, with the format's
+    Eagle 3.1 flags (only the speculators format has them)."""
     h, nh = int(layer["hidden_size"]), int(layer["num_attention_heads"])
     scaling = layer.get("rope_scaling")
     if scaling is None and isinstance(layer.get("rope_parameters"), Mapping):
@@ -141,7 +143,8 @@ def draft_config_from_layer(layer: Mapping[str, Any], n_draft: int, aux: Sequenc
                        rms_norm_eps=float(layer["rms_norm_eps"]), rope_theta=float(theta), rope_scaling=scaling,
                        max_position_embeddings=int(layer.get("max_position_embeddings") or 4096),
                        hidden_act=layer.get("hidden_act", "silu"), target_vocab_size=int(layer["vocab_size"]),
-                       draft_vocab_size=int(n_draft), aux_layer_ids=tuple(aux), target_num_layers=int(layers))
+                       draft_vocab_size=int(n_draft), aux_layer_ids=tuple(aux), target_num_layers=int(layers),
+                       norm_before_fc=norm_before_fc, norm_output=norm_output)
 
 
 def build_draft(folder: Path, weights: Path, key_map: Mapping[str, str], config: DraftConfig,

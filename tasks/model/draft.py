@@ -99,6 +99,11 @@ class DraftConfig:
     draft_vocab_size: int
     aux_layer_ids: tuple[int, ...]
     target_num_layers: int
+    # "Eagle 3.1" (speculators' names, read by vLLM from a speculators config's top level): an RMSNorm over the
+    # three concatenated aux states before fc (weight `input_norm.weight` [3H]), and the final norm's output,
+    # not the raw hidden, handed to the next draft step. SGLang and llama.cpp have neither.
+    norm_before_fc: bool = False
+    norm_output: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "aux_layer_ids", tuple(self.aux_layer_ids))
@@ -175,6 +180,7 @@ class DraftConfig:
             "max_position_embeddings": _get(target_config, "max_position_embeddings", 4096),
             "hidden_act": _get(target_config, "hidden_act", "silu"), "target_vocab_size": vocab,
             "draft_vocab_size": draft_vocab_size, "aux_layer_ids": tuple(aux_layer_ids), "target_num_layers": layers,
+            "norm_before_fc": False, "norm_output": False,
         }
         unknown = set(overrides) - set(fields)
         if unknown:
@@ -182,9 +188,17 @@ class DraftConfig:
         fields.update(overrides)
         return cls(**fields)
 
+    @property
+    def eagle31_norms(self) -> list[str]:
+        """The Eagle 3.1 options this draft uses, by their speculators names."""
+        return [n for n in ("norm_before_fc", "norm_output") if getattr(self, n)]
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["aux_layer_ids"] = list(self.aux_layer_ids)
+        for name in ("norm_before_fc", "norm_output"):  # absent when off: identities recorded before them still match
+            if not d[name]:
+                del d[name]
         return d
 
     @classmethod
@@ -333,6 +347,8 @@ class Eagle3Draft(nn.Module):
         # must never move them.
         self.embed_tokens = nn.Embedding(config.target_vocab_size, h)
         self.embed_tokens.weight.requires_grad_(False)
+        if config.norm_before_fc:
+            self.input_norm = RMSNorm(3 * h, config.rms_norm_eps)
         self.fc = nn.Linear(3 * h, h, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(h, config.rms_norm_eps)
@@ -387,13 +403,23 @@ class Eagle3Draft(nn.Module):
             raise ValueError(f"aux_hidden must be [B, T, 3H] = [{b}, {t}, {3 * self.config.hidden_size}], "
                              f"got {list(aux_hidden.shape)}")
         mask = None if attention_mask is None else attention_mask.bool()
-        hidden = self.fc(aux_hidden.to(self.fc.weight.dtype))
+        hidden = self.fuse(aux_hidden)
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i in range(steps):
             embeds = self.embed_tokens(shift_left(input_ids, i + 1))
             cos, sin = self._rope(t, i)  # the step-i draft token sits at position t+i when served
-            hidden = self.midlayer(embeds, hidden, cos, sin, cache, mask)
-            yield hidden
+            out = self.midlayer(embeds, hidden, cos, sin, cache, mask)
+            yield out
+            hidden = self.next_hidden(out)
+
+    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """fc over the three aux states [.., 3H] -> [.., H] (normed first under norm_before_fc)."""
+        x = aux_hidden.to(self.fc.weight.dtype)
+        return self.fc(self.input_norm(x) if self.config.norm_before_fc else x)
+
+    def next_hidden(self, out: torch.Tensor) -> torch.Tensor:
+        """What a draft step hands the next one: its pre-norm output, or the normed one under norm_output."""
+        return self.norm(out) if self.config.norm_output else out
 
     def steps(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
               steps: int = DEFAULT_TTT_STEPS) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

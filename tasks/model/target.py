@@ -208,9 +208,17 @@ class TargetIdentity:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
+    """'auto': CUDA when present, else the CPU; a CUDA device this machine lacks is refused by name (torch's own
+    error comes later, from deep inside the first tensor moved there)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    resolved = torch.device(device)
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (resolved.index or 0) >= count:
+            raise ValueError(f"target.device {str(device)!r}: this machine has no CUDA device "
+                             f"{resolved.index or 0} ({count} visible); use 'auto' or 'cpu'")
+    return resolved
 
 
 # The CPU flags of bf16 arithmetic: x86's AVX512-BF16 and AMX-BF16, Arm's BF16 (Linux /proc/cpuinfo names).

@@ -13,6 +13,8 @@ and rank 0 alone writes lineage, checkpoints and exports.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import os
 import shutil
@@ -43,6 +45,8 @@ from tasks.train.steps import (DataPosition, Item, Schedule, TrainState, epoch_b
                                load_checkpoint, make_optimizer, micro_batch_index, save_checkpoint, step_groups,
                                train_step, weights_sha256)
 from tasks.train.ttt import collate
+from tasks.train.validation import (Validation, keep_if_best, load_best, split_validation, validate,
+                                    validation_batches)
 
 
 @dataclass
@@ -67,6 +71,9 @@ class TrainSummary:
     exports: dict[str, str] = field(default_factory=dict)
     export_seconds: dict[str, float] = field(default_factory=dict)
     curves_png: str | None = None
+    validations: list[dict] = field(default_factory=list)  # this invocation's, in order
+    exported_step: int | None = None  # the step of the draft the last round exported (the best validated one)
+    exported_expected_acceptance: float | None = None
     seconds: float = 0.0
     world_size: int = 1
 
@@ -124,7 +131,8 @@ def run_training(config: TrainConfig, store: LineageStore, run_id: str, dist: Di
                            f"but train.target is {identity.name}@{identity.revision}")
     device = model.device
     aux_ids = settings["aux_layer_ids"]
-    dcfg = DraftConfig.from_target_config(model.config, vocab.draft_vocab_size, aux_ids)
+    dcfg = DraftConfig.from_target_config(model.config, vocab.draft_vocab_size, aux_ids,
+                                          norm_before_fc=config.norm_before_fc, norm_output=config.norm_output)
     torch.manual_seed(config.seed)
     draft = Eagle3Draft(dcfg).to(device)
     load_target_embeddings(draft, model)
@@ -132,6 +140,8 @@ def run_training(config: TrainConfig, store: LineageStore, run_id: str, dist: Di
     target_head = target_head_weight(model)
     if config.init == "target_head":  # a resumed run's checkpoint replaces these below
         init_head_from_target(draft, target_head, target_final_norm_weight(model))
+    if config.head == "frozen":  # before the optimizer is made: it holds only what trains
+        draft.lm_head.weight.requires_grad_(False)
     optimizer = make_optimizer(draft, config.lr, config.weight_decay)
     schedule = Schedule(config.lr, config.schedule, config.warmup_steps, config.total_steps, config.min_lr_ratio)
     # What must not change under a resumed run (the split of micro-batches over processes may).
@@ -139,6 +149,11 @@ def run_training(config: TrainConfig, store: LineageStore, run_id: str, dist: Di
                     "draft_config": dcfg.to_dict(), "seed": config.seed, "batch_tokens": config.batch_tokens,
                     "micro_batches_per_step": dist.world_size * config.grad_accum, "ttt_steps": config.ttt_steps,
                     "step_decay": config.step_decay}
+    # Added only when set, so that runs begun before these options existed still resume.
+    if config.head != "trained":
+        run_identity["head"] = config.head
+    if config.validation_samples:
+        run_identity["validation_samples"] = config.validation_samples
     if dist.main:
         stored = store.training.register_run(run_id, {
             "run_name": config.run_name, "mode": config.mode, "extract_key": ekey, "vocab_id": found["vocab_id"],
@@ -180,7 +195,8 @@ def run_training(config: TrainConfig, store: LineageStore, run_id: str, dist: Di
             if config.mode == "online":
                 shards = []  # online: each invocation trains one round over every generation
             else:
-                rows = store.extraction.round_shards(ekey, config.run_name, state.trained_shards)
+                rows = store.extraction.round_shards(ekey, config.run_name, state.trained_shards,
+                                                     config.replay_kept_shards)
                 if not rows:
                     summary.stopped_by = "done" if summary.steps_this_run else "no_data"
                     break
@@ -191,7 +207,8 @@ def run_training(config: TrainConfig, store: LineageStore, run_id: str, dist: Di
             items = [Item(ONLINE, i, s.num_tokens) for i, s in enumerate(online_samples or [])]
             reader = RoundReader(None, {}, online_samples, extractor)
         else:
-            rows = {r["shard"]: r for r in store.extraction.round_shards(ekey, config.run_name, state.trained_shards)}
+            rows = {r["shard"]: r for r in store.extraction.round_shards(
+                ekey, config.run_name, state.trained_shards, config.replay_kept_shards)}
             lost = [s for s in pos.shards if s not in rows]
             if lost:
                 raise LineageError(f"{len(lost)} shard(s) of round {pos.round_index} are gone (e.g. {lost[0]}); "
@@ -203,8 +220,24 @@ def run_training(config: TrainConfig, store: LineageStore, run_id: str, dist: Di
             summary.stopped_by = "no_data"
             state.position = None
             break
+        items, held_out = split_validation(items, config.validation_samples, config.seed, pos.round_index)
+        validator = None
+        if held_out:
+            # read once, without marking shards consumed (training's own reads do that)
+            plain = RoundReader(shard_store, rows) if config.mode != "online" else reader
+            val_batches = validation_batches([r for it in held_out for r in plain.records([it], 0)],
+                                             config.batch_tokens)
+            validator = _validator(config, draft, val_batches, target_head, ckpt_root, pos.round_index, state,
+                                   summary, dist, logger)
+        if config.schedule == "cosine" and config.total_steps is None:
+            if state.lr_horizon is None:  # the first round this run trains, all its epochs; kept in the checkpoints
+                state.lr_horizon = state.step + sum(
+                    step_groups(len(epoch_batches(items, config.seed, pos.round_index, e, config.batch_tokens)),
+                                dist.world_size, config.grad_accum) for e in range(pos.epoch, config.epochs))
+                logger.info("cosine schedule over %d optimizer steps", state.lr_horizon)
+            schedule = dataclasses.replace(schedule, total_steps=state.lr_horizon)
         stopped = _train_round(config, draft, optimizer, schedule, target_head, reader, items, state, dist, summary,
-                               pending_metrics, checkpoint, progress if dist.main else None, logger)
+                               pending_metrics, checkpoint, progress if dist.main else None, logger, validator)
         if stopped:
             summary.stopped_by = "max_steps"
             break
@@ -216,8 +249,17 @@ def run_training(config: TrainConfig, store: LineageStore, run_id: str, dist: Di
         if dist.main:
             store.training.write_round(run_id, config.run_name, pos.round_index, pos.shards, len(items), config.epochs,
                                     state.step)
-            export_round(config, draft, store, run_id, summary, state, ekey, found["vocab_id"], identity, aux_ids, ckpt_root,
-                    logger)
+            exported = draft
+            summary.exported_step, summary.exported_expected_acceptance = state.step, None
+            if validator is not None:  # the round's best validated draft, not its last
+                exported = copy.deepcopy(draft)
+                best = load_best(ckpt_root, pos.round_index, exported)
+                summary.exported_step, summary.exported_expected_acceptance = best.step, best.expected_acceptance
+                logger.info("round %d: exporting the draft of step %d (expected acceptance %.3f on %d held-out "
+                            "samples), trained to step %d", pos.round_index, best.step, best.expected_acceptance,
+                            best.samples, state.step)
+            export_round(config, exported, store, run_id, summary, state, ekey, found["vocab_id"], identity, aux_ids,
+                         ckpt_root, logger, step=summary.exported_step)
             summary.shards_trained += len(pos.shards)
             if config.delete_consumed and pos.shards:
                 summary.shards_deleted += len(delete_consumed_shards(store, shard_store, pos.shards))
@@ -231,10 +273,27 @@ def run_training(config: TrainConfig, store: LineageStore, run_id: str, dist: Di
     return summary
 
 
+def _validator(config: TrainConfig, draft: Eagle3Draft, batches, target_head: torch.Tensor, ckpt_root: Path,
+               round_index: int, state: TrainState, summary: TrainSummary, dist: Dist, logger
+               ) -> Callable[[int], Validation | None]:
+    """Measure the draft on the round's held-out samples and keep it when it is the round's best (rank 0)."""
+    def run(epoch: int) -> Validation | None:
+        if not dist.main:
+            return None
+        v = validate(draft, batches, ttt_steps=config.ttt_steps, target_head=target_head, step=state.step,
+                     epoch=epoch)
+        kept = keep_if_best(ckpt_root, round_index, draft, v)
+        summary.validations.append({**v.to_json(), "round": round_index, "kept": kept})
+        logger.info("validation at step %d: expected acceptance %.3f (acc %s)%s", v.step, v.expected_acceptance,
+                    " ".join(f"{a:.3f}" for a in v.conditional_accuracy), ", the best so far" if kept else "")
+        return v
+    return run
+
+
 def _train_round(config: TrainConfig, draft: Eagle3Draft, optimizer, schedule: Schedule, target_head: torch.Tensor,
                  reader: RoundReader, items: list[Item], state: TrainState, dist: Dist, summary: TrainSummary,
                  pending_metrics: list[dict], checkpoint, progress: Callable[[float], None] | None,
-                 logger=None) -> bool:
+                 logger=None, validator: Callable[[int], Validation | None] | None = None) -> bool:
     """The remaining epochs of the current round; True if max_steps stopped it.
 
     Online, a micro-batch whose samples the extractor all quarantined is skipped (an empty slot),
@@ -246,6 +305,7 @@ def _train_round(config: TrainConfig, draft: Eagle3Draft, optimizer, schedule: S
     assert pos is not None
     accum, world = config.grad_accum, dist.world_size
     all_reduce = dist.all_reduce if world > 1 else None
+    validate_every = config.validate_every or config.checkpoint_every
     pad = 0
     for epoch in range(pos.epoch, config.epochs):
         batches = epoch_batches(items, config.seed, pos.round_index, epoch, config.batch_tokens)
@@ -292,6 +352,10 @@ def _train_round(config: TrainConfig, draft: Eagle3Draft, optimizer, schedule: S
                     progress(100.0 * (epoch * n_steps + s + 1) / (config.epochs * n_steps))
                 if config.max_steps is not None and state.step >= config.max_steps:
                     return True
+                # a validation comes before the checkpoint of its step: a resumed run never skips one
+                end_of_epoch = s + 1 == n_steps
+                if validator is not None and (end_of_epoch or state.step % validate_every == 0):
+                    validator(epoch)
                 if state.step % config.checkpoint_every == 0:
                     checkpoint()
         pos.epoch, pos.step_in_epoch = epoch + 1, 0
@@ -299,17 +363,20 @@ def _train_round(config: TrainConfig, draft: Eagle3Draft, optimizer, schedule: S
 
 
 def export_round(config: TrainConfig, draft: Eagle3Draft, store: LineageStore, run_id: str, summary: TrainSummary,
-            state: TrainState, ekey: str, vocab_id: str, identity, aux_ids: list[int], ckpt_root: Path, logger) -> None:
+            state: TrainState, ekey: str, vocab_id: str, identity, aux_ids: list[int], ckpt_root: Path, logger,
+                 step: int | None = None) -> None:
     """The configured serving formats of the draft at the end of a round, each registered with its lineage.
 
-    Each is a folder `export/<format>-step-N`; gguf's holds one file, converted from the sglang folder.
+    Each is a folder `export/<format>-step-N`, N the optimizer step of the exported weights (`step`: the
+    round's best validated draft; default the last); gguf's holds one file, converted from the sglang folder.
     """
+    step = state.step if step is None else step
     verifier = config.target.model_path or identity.name
     folders: dict[str, Path] = {}
     for fmt in ("sglang", "speculators", "gguf"):
         if fmt not in config.export_formats:
             continue
-        folder = ckpt_root / "export" / f"{fmt}-step-{state.step:08d}"
+        folder = ckpt_root / "export" / f"{fmt}-step-{step:08d}"
         if folder.exists():
             shutil.rmtree(folder)  # the same step exported again after a crash: rewrite it
         started = time.monotonic()
@@ -326,9 +393,9 @@ def export_round(config: TrainConfig, draft: Eagle3Draft, store: LineageStore, r
             converter = llamacpp_converter()[1]
         seconds = time.monotonic() - started
         sha = file_sha256(folder / GGUF_FILE) if fmt == "gguf" else weights_sha256(folder)
-        name = f"{config.run_name}/{fmt}-step-{state.step:08d}"
+        name = f"{config.run_name}/{fmt}-step-{step:08d}"
         store.checkpoints.register(run_id, {
-            "checkpoint": name, "run_name": config.run_name, "step": state.step, "format": fmt, "path": str(folder),
+            "checkpoint": name, "run_name": config.run_name, "step": step, "format": fmt, "path": str(folder),
             "sha256": sha, "rounds": state.rounds_done, "target": identity.name,
             "target_revision": identity.revision, "aux_layer_ids": aux_ids, "vocab_id": vocab_id, "extract_key": ekey,
             "converter": converter})

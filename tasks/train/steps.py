@@ -266,6 +266,7 @@ class TrainState:
     rounds_done: int = 0
     trained_shards: list[str] = field(default_factory=list)  # shards of completed rounds
     position: DataPosition | None = None
+    lr_horizon: int | None = None  # a cosine schedule's last step, when the run chose it (train.total_steps unset)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -274,7 +275,8 @@ class TrainState:
     def from_json(cls, d: dict) -> TrainState:
         pos = d.get("position")
         return cls(step=d["step"], tokens=d["tokens"], rounds_done=d["rounds_done"],
-                   trained_shards=list(d["trained_shards"]), position=DataPosition(**pos) if pos else None)
+                   trained_shards=list(d["trained_shards"]), position=DataPosition(**pos) if pos else None,
+                   lr_horizon=d.get("lr_horizon"))
 
 
 def checkpoint_dir(root: Path, step: int) -> Path:

@@ -1,0 +1,347 @@
+"""The recipe study (issue 42): the training levers at fixed data, every arm trained on one shared extraction.
+
+The data is the selection study's `recipe-data` arm (benchmarks/studies/selection.py): its packed answers
+extracted once (float32 target, 8,192-token draft vocab) with the shards kept. Each arm here is a new
+training run on that extraction (`train.extract_key`, nothing deleted) that changes the recipe only:
+- `base`: the data arm's recipe (run `recipe-data`, 1 epoch of 2,048-token batches, lr 1e-3 constant after 20 warmup
+  steps, random head): the selection study's `uniform-f32-1epoch` recipe, the default until now;
+- `head-target`: the head started from the target's rows, trained (`train.init: target_head`);
+- `head-frozen`: the head started from the target's rows and frozen (`train.head: frozen`), as speculators does;
+- `cosine-4ep`, `head-frozen-cosine-4ep`, `...-10ep`: more passes with cosine decay, 16 samples held out and
+  the export the best draft by expected acceptance on them (`train.validation_samples`), never by the
+  held-out prompt sets.
+Every arm's draft is measured by the offline evaluator (the HF target in float32, greedy, k = 3, every output
+checked equal to plain greedy) on held-out chat prompts that discover reserved (never trained on) and on
+HumanEval, with prompt lookup beside them; the report gives each arm's ratio to `base` and to lookup with
+a 90% paired bootstrap interval over the prompts.
+
+A workspace without the extraction gets it first, from the packed answers (`--size` loss-masked tokens;
+`prepare_data`). One process trains and measures every arm it is given (the target's greedy paths are decoded once and
+shared); a rerun skips trained runs and measured points (`<workspace>/reports/recipe.jsonl`, merged into
+benchmarks/results/recipe.jsonl at the end).
+
+    nice -n 5 .venv/bin/python -m benchmarks.studies.recipe --arms base head-frozen --seeds 0
+    .venv/bin/python -m benchmarks.studies.recipe --report --results benchmarks/results/recipe.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.report import RESULTS, ROOT
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+from benchmarks.studies.scaling_results import append_result, fmt, ratio_interval  # noqa: E402
+
+WORKSPACE = ROOT / "runs" / "selection" / "recipe-data"
+BASE_RUN = "recipe-data"  # the data arm's own training run: `base` at seed 0
+DOMAINS = ("heldout_chat", "humaneval")
+VALIDATION = {"validation_samples": 16, "validate_every": 50}
+COSINE = {"schedule": "cosine", "warmup_steps": 20, "min_lr_ratio": 0.1}
+# Each arm's changes to the data arm's train section (selection.yaml with recipe-data's overrides).
+ARMS: dict[str, dict] = {
+    "base": {},
+    "head-target": {"init": "target_head"},
+    "head-frozen": {"init": "target_head", "head": "frozen"},
+    "cosine-4ep": {"epochs": 4, **COSINE, **VALIDATION},
+    "head-frozen-cosine-4ep": {"init": "target_head", "head": "frozen", "epochs": 4, **COSINE, **VALIDATION},
+    "head-frozen-cosine-10ep": {"init": "target_head", "head": "frozen", "epochs": 10, **COSINE, **VALIDATION},
+    # Eagle 3.1 (speculators' norm_before_fc and norm_output): served by vLLM only, so exported in its format
+    "norms": {"norm_before_fc": True, "norm_output": True, "export_formats": ["speculators"]},
+    "head-frozen-norms": {"init": "target_head", "head": "frozen", "norm_before_fc": True, "norm_output": True,
+                          "export_formats": ["speculators"]},
+}
+
+
+def point_key(arm: str, seed: int) -> str:
+    return f"{arm}/s{seed}"
+
+
+def load_points(path: Path) -> dict[str, dict]:
+    """The measured points by key (`<arm>/s<seed>`, `lookup/s0`); the last line of a key wins, a line cut short by
+    a crash is ignored."""
+    out: dict[str, dict] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+                out[row["key"]] = row
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+    return out
+
+
+def run_name(arm: str, seed: int) -> str:
+    return BASE_RUN if (arm, seed) == ("base", 0) else f"recipe-{arm}-s{seed}"
+
+
+def train_config(data_cfg, arm: str, seed: int):
+    """The arm's train section: the data arm's, with the arm's changes, its own run name and seed, and the
+    shared shards kept."""
+    from tasks.config import TrainConfig
+
+    data = data_cfg.train.model_dump(mode="json")
+    # every arm replays the kept shards: whichever arm reads a shard first, the others still train on it
+    data.update({"export_formats": ["sglang"], **ARMS[arm]}, run_name=run_name(arm, seed), seed=seed,
+                delete_consumed=False, replay_kept_shards=True)
+    return TrainConfig.model_validate(data)
+
+
+class Bench:
+    """The offline evaluator on the study's prompts: the target loaded once, its greedy paths kept for every arm."""
+
+    def __init__(self, data_cfg, store, chat_prompts: int, humaneval: int, max_new: int, k: int) -> None:
+        from tasks.evaluate.heldout import heldout_set
+        from tasks.evaluate.prompt_sets import benchmark_sets, prompts_for_benchmark
+        from tasks.model.target import load_configured_target, stop_token_ids
+
+        t = data_cfg.train.target
+        self.model, tokenizer, identity = load_configured_target(t.gguf, t.model_path, t.revision,
+                                                                 t.trust_remote_code, t.dtype, t.device)
+        held = heldout_set(store.discover.heldout_prompts())
+        if held is None or len(held[1]) < chat_prompts:
+            raise SystemExit(f"{data_cfg.workspace}: {0 if held is None else len(held[1])} held-out chat prompts, "
+                             f"{chat_prompts} asked (discover.heldout)")
+        self.prompts = (prompts_for_benchmark(tokenizer, identity.chat_template, [held], chat_prompts)
+                        + prompts_for_benchmark(tokenizer, identity.chat_template, benchmark_sets(True), humaneval))
+        self.stops = stop_token_ids(self.model, tokenizer)
+        self.max_new, self.k = max_new, k
+        self.paths: dict = {}
+
+    def measure(self, drafters) -> dict:
+        """{<drafter>_<domain>: acceptance, ..._pos, ..._per_request} for each drafter and domain."""
+        from tasks.evaluate.offline import evaluate_acceptance
+
+        report = evaluate_acceptance(self.model, self.prompts, drafters, self.k, self.max_new, self.stops,
+                                     paths=self.paths)
+        row: dict = {"lossless_checked": report.lossless_checked}
+        for d in drafters:
+            short = "eagle3" if d.name == "eagle3" else "lookup"
+            for dom in DOMAINS:
+                a = report.get(d.name, dom)
+                row[f"{short}_{dom}"] = a.acceptance_length_token_weighted
+                row[f"{short}_{dom}_pos"] = a.position_accept_rate
+                row[f"{short}_{dom}_per_request"] = {r.item_id: [r.completion_tokens, r.verify_rounds]
+                                                     for r in report.requests if r.drafter == d.name and r.domain == dom}
+        return row
+
+    def draft(self, export: str) -> dict:
+        from tasks.evaluate.drafters import Eagle3Drafter
+        from tasks.evaluate.offline import load_draft_for_target
+
+        draft = load_draft_for_target(export, self.model).float()  # the serving contract is checked first
+        return self.measure([Eagle3Drafter(draft, "aux")])
+
+    def lookup(self) -> dict:
+        from tasks.evaluate.drafters import PromptLookupDrafter
+
+        return self.measure([PromptLookupDrafter()])
+
+
+def prepare_data(cfg, workspace: Path, size: int) -> None:
+    """The shared extraction from the packed answers: discover, regenerate through the answer cache (llama-server
+    answers only what the pack lacks), then one extraction of the generations that hold the first `size`
+    loss-masked tokens, its shards kept (the selection study's recipe-data arm, without its training)."""
+    from flows.extract import extract
+
+    from benchmarks.studies.scaling import Costs, Study
+    from benchmarks.studies.selection import answer_proxy, arm_config
+
+    with answer_proxy(cfg, workspace.parent) as (url, revision, template_id):
+        acfg = arm_config(cfg, workspace.parent, workspace.name, url, revision, template_id)
+        study = Study(acfg, workspace / "reports" / "recipe-data.jsonl", [3], 0, 0, 400, arm=workspace.name)
+        study.ensure_discovered()
+        n_gen = study.ensure_generations(size, Costs())
+    s = extract(acfg.extract.model_copy(update={"limit": n_gen}))
+    print(f"extract: {s.extracted} samples, {s.tokens:,} tokens, {s.masked_tokens:,} loss-masked", flush=True)
+
+
+def train_arm(data_cfg, arm: str, seed: int, store) -> dict:
+    """Train the arm's run (resumes; a finished run trains nothing more) and describe its export."""
+    from flows.train import train
+
+    cfg = train_config(data_cfg, arm, seed)
+    t0 = time.monotonic()
+    s = train(cfg)
+    info = {"run_name": cfg.run_name, "train": {k: v for k, v in ARMS[arm].items()}, "seed": seed,
+            "steps": s.step, "trained_positions": s.tokens}
+    if s.steps_this_run:  # trained now: its speed (a run found finished has none to report)
+        info.update(train_s=time.monotonic() - t0, train_tok_s=s.tokens / max(s.seconds, 1e-9))
+    if s.validations:
+        info["validations"] = [{k: v[k] for k in ("step", "epoch", "expected_acceptance")} for v in s.validations]
+    fmt = cfg.export_formats[0]  # sglang, or speculators for a draft only vLLM serves
+    if s.exports.get(fmt):
+        info.update(export=s.exports[fmt], exported_step=s.exported_step,
+                    exported_expected_acceptance=s.exported_expected_acceptance)
+    else:  # trained in an earlier invocation: its newest export
+        row = store.checkpoints.latest_export(cfg.run_name, fmt)
+        if row is None:
+            raise SystemExit(f"{cfg.run_name}: trained, but no {fmt} export of it is registered")
+        info.update(export=row["path"], exported_step=row["step"])
+    return info
+
+
+def run(args: argparse.Namespace) -> None:
+    from flows.prefect_api import start_local_api
+    from serving.llamacpp.server import free_port
+    from storage.lineage import LineageStore
+
+    from benchmarks.studies.selection import arm_config
+    from tasks.config import load_config
+
+    cfg = load_config(ROOT / "benchmarks" / "studies" / "selection.yaml")
+    data_cfg = arm_config(cfg, args.workspace.parent, args.workspace.name, "http://127.0.0.1:9", "-", "-")
+    results = args.workspace / "reports" / "recipe.jsonl"
+    done = load_points(results)
+    home = Path(tempfile.mkdtemp(prefix="eagle3-recipe-prefect-"))
+    port = free_port()
+    os.environ["PREFECT_HOME"] = str(home)
+    os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
+    _, api = start_local_api(home, port)
+    bench = None
+    try:
+        store = LineageStore(args.workspace / "lineage.duckdb")
+        if store.extraction.settings(None) is None:
+            t0 = time.monotonic()
+            prepare_data(cfg, args.workspace, args.size)
+            print(f"data prepared in {time.monotonic() - t0:.0f} s", flush=True)
+        for seed in args.seeds:
+            for arm in args.arms:
+                if point_key(arm, seed) in done:
+                    print(f"{arm} seed {seed}: measured, skipped", flush=True)
+                    continue
+                info = train_arm(data_cfg, arm, seed, store)
+                print(f"{arm} seed {seed}: {info['steps']} steps, export {info['export']}", flush=True)
+                bench = bench or Bench(data_cfg, store, args.chat_prompts, args.humaneval, args.max_new, args.k)
+                if "lookup/s0" not in done:
+                    t0 = time.monotonic()
+                    row = {"arm": "lookup", "seed": 0, **bench.lookup(), "measure_s": time.monotonic() - t0}
+                    _record(results, done, "lookup/s0", row, args)
+                t0 = time.monotonic()
+                row = {"arm": arm, **info, **bench.draft(info["export"]), "measure_s": time.monotonic() - t0}
+                _record(results, done, point_key(arm, seed), row, args)
+                print(report(results), flush=True)
+    finally:
+        if api is not None:
+            api.terminate()
+        if results.exists():
+            from benchmarks.studies.selection import merge_points
+
+            merge_points(results, RESULTS / "recipe.jsonl")
+
+
+def _record(results: Path, done: dict, key: str, row: dict, args: argparse.Namespace) -> None:
+    row = {**row, "key": key, "k": args.k, "max_new_tokens": args.max_new, "chat_prompts": args.chat_prompts,
+           "humaneval_prompts": args.humaneval, "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    append_result(results, row)
+    done[key] = row
+
+
+# ---------------------------------------------------------------- report
+
+def ratio(a: dict, b: dict | None, dom: str) -> str:
+    """a's acceptance over b's on one domain, with the 90% paired bootstrap interval over their shared prompts."""
+    if b is None or not b.get(f"eagle3_{dom}", b.get(f"lookup_{dom}")):
+        return "-"
+    num = a[f"eagle3_{dom}"]
+    den = b.get(f"eagle3_{dom}") or b[f"lookup_{dom}"]
+    side = "eagle3" if f"eagle3_{dom}" in b else "lookup"
+    iv = ratio_interval(a.get(f"eagle3_{dom}_per_request"), b.get(f"{side}_{dom}_per_request"))
+    cell = f"{num / den:.3f}"
+    return cell if iv is None else f"{cell} ({iv[0]:.3f}-{iv[1]:.3f})"
+
+
+def report(results: Path) -> str:
+    rows = load_points(results)
+    lookup, base = rows.get("lookup/s0"), rows.get("base/s0")
+    if not rows:
+        return f"no results in {results}"
+    lines = [f"recipe study ({results})", "",
+             "| arm | seed | held-out chat | x base | x lookup | HumanEval | x base | x lookup | steps (kept) "
+             "| val. exp. acceptance | train tok/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for key, r in sorted(rows.items(), key=lambda kv: (list(ARMS).index(kv[1]["arm"]) if kv[1]["arm"] in ARMS else 99,
+                                                          kv[1].get("seed", 0))):
+        if r["arm"] == "lookup":
+            continue
+        kept = r.get("exported_step")
+        steps = f"{r.get('steps', 0):,}" + (f" ({kept:,})" if kept is not None and kept != r.get("steps") else "")
+        lines.append(f"| {r['arm']} | {r.get('seed', 0)} | {r['eagle3_heldout_chat']:.3f} | "
+                     f"{ratio(r, base, 'heldout_chat') if key != 'base/s0' else '1'} | "
+                     f"{ratio(r, lookup, 'heldout_chat')} | {r['eagle3_humaneval']:.3f} | "
+                     f"{ratio(r, base, 'humaneval') if key != 'base/s0' else '1'} | {ratio(r, lookup, 'humaneval')} | "
+                     f"{steps} | {fmt(r.get('exported_expected_acceptance'))} | "
+                     f"{'-' if r.get('train_tok_s') is None else round(r['train_tok_s'])} |")
+    if lookup is not None:
+        lines += ["", f"prompt lookup: held-out chat {lookup['lookup_heldout_chat']:.3f}, HumanEval "
+                      f"{lookup['lookup_humaneval']:.3f} ({lookup['chat_prompts']} and {lookup['humaneval_prompts']} "
+                      f"prompts, {lookup['max_new_tokens']} new tokens, k = {lookup['k']})"]
+    lines.append("(a-b): 90% paired bootstrap interval over the prompts both decoded")
+    return "\n".join(lines)
+
+
+def plot(results: Path, out: Path) -> Path | None:
+    """Each arm's acceptance over base's on both sets, with its interval (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = load_points(results)
+    base = rows.get("base/s0")
+    arms = [(k, r) for k, r in rows.items() if r["arm"] not in ("lookup",) and base is not None]
+    if not arms:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(arms) + 1.8))
+    for j, dom in enumerate(DOMAINS):
+        for i, (key, r) in enumerate(arms):
+            a, b = r[f"eagle3_{dom}"], base[f"eagle3_{dom}"]
+            iv = ratio_interval(r.get(f"eagle3_{dom}_per_request"), base.get(f"eagle3_{dom}_per_request"))
+            y = i + (0.2 if j else -0.2)
+            ax.plot([a / b], [y], "o" if j == 0 else "s", color=f"C{j}", label=dom if i == 0 else None)
+            if iv is not None:
+                ax.plot(list(iv), [y, y], "-", color=f"C{j}")
+    ax.axvline(1.0, color="grey", lw=0.8)
+    ax.set_yticks(range(len(arms)), [k for k, _ in arms])
+    ax.set_xlabel("acceptance length / base's (k = 3), 90% paired bootstrap interval")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title("recipe study: each lever against the default recipe, same data")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workspace", type=Path, default=WORKSPACE)
+    ap.add_argument("--arms", nargs="+", default=["base", "head-frozen"], choices=list(ARMS))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--size", type=int, default=200_000,
+                    help="loss-masked tokens of the shared extraction, when the workspace has none yet")
+    ap.add_argument("--chat-prompts", type=int, default=128, help="held-out chat prompts (discover reserved them)")
+    ap.add_argument("--humaneval", type=int, default=164, help="HumanEval problems (164: all)")
+    ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--report", action="store_true", help="only print the report and draw the plot")
+    ap.add_argument("--results", type=Path, default=None)
+    args = ap.parse_args()
+    if not args.report:
+        run(args)
+    results = args.results or args.workspace / "reports" / "recipe.jsonl"
+    print(report(results))
+    png = plot(results, results.with_suffix(".png"))
+    if png:
+        print(png)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""The recipe study's bookkeeping (benchmarks/studies/recipe.py): every arm is a valid training config on the
+shared extraction, and the report reads each arm against base and prompt lookup on the same prompts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.studies.recipe import ARMS, load_points, report, run_name, train_config
+from benchmarks.studies.scaling_results import append_result
+from benchmarks.studies.selection import arm_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_arm_changes_only_the_recipe_and_replays_the_kept_shards():
+    from tasks.config import load_config
+
+    cfg = load_config(ROOT / "benchmarks" / "studies" / "selection.yaml")
+    data = arm_config(cfg, Path("/tmp/sel"), "recipe-data", "http://127.0.0.1:1", "rev", "tmpl")
+    base = train_config(data, "base", 0)
+    assert base.run_name == "recipe-data" == run_name("base", 0) and run_name("base", 1) == "recipe-base-s1"
+    for arm, change in ARMS.items():
+        c = train_config(data, arm, 1)
+        assert c.replay_kept_shards and not c.delete_consumed and c.seed == 1 and c.workspace == "/tmp/sel/recipe-data"
+        differs = {k for k, v in c.model_dump().items() if v != base.model_dump()[k]}
+        changed = {k for k, v in change.items() if k != "export_formats" and v != base.model_dump()[k]}
+        assert differs - {"run_name", "seed", "export_formats"} == changed, arm
+    assert train_config(data, "norms", 0).export_formats == ["speculators"]  # only vLLM serves the norms
+
+
+def _point(path: Path, key: str, chat: dict, code: dict, **extra) -> None:
+    drafter = "lookup" if key.startswith("lookup") else "eagle3"
+    row = {"key": key, "arm": key.split("/")[0], "seed": 0, "k": 3, "max_new_tokens": 64, "chat_prompts": 3,
+           "humaneval_prompts": 3, **extra}
+    for dom, per in (("heldout_chat", chat), ("humaneval", code)):
+        row[f"{drafter}_{dom}"] = sum(t for t, _ in per.values()) / sum(r for _, r in per.values())
+        row[f"{drafter}_{dom}_per_request"] = {k: list(v) for k, v in per.items()}
+    append_result(path, row)
+
+
+def test_the_report_reads_each_arm_against_base_and_lookup_on_the_same_prompts(tmp_path):
+    results = tmp_path / "recipe.jsonl"
+    same = {"a": (40, 30), "b": (40, 32), "c": (40, 28)}
+    _point(results, "lookup/s0", same, same)
+    _point(results, "base/s0", same, same, steps=100)
+    better = {k: (t, r - 4) for k, (t, r) in same.items()}  # fewer verify rounds on every prompt
+    _point(results, "head-frozen/s0", better, same, steps=400, exported_step=300, exported_expected_acceptance=1.5)
+    with results.open("a") as f:
+        f.write('{"key": "cut sh')  # a line a crash cut short is ignored
+    assert set(load_points(results)) == {"lookup/s0", "base/s0", "head-frozen/s0"}
+    text = report(results)
+    frozen = next(line for line in text.splitlines() if line.startswith("| head-frozen |"))
+    cells = [c.strip() for c in frozen.split("|")[1:-1]]
+    lo, hi = (float(x) for x in cells[3].split("(")[1].rstrip(")").split("-"))
+    assert float(cells[3].split()[0]) > 1.1 and 1.1 < lo <= hi  # better on every prompt: the interval is above 1
+    assert cells[6].startswith("1.000")  # HumanEval unchanged
+    assert cells[8] == "400 (300)" and cells[9] == "1.50"
