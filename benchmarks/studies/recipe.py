@@ -172,18 +172,18 @@ def train_arm(data_cfg, arm: str, seed: int, store) -> dict:
     s = train(cfg)
     info = {"run_name": cfg.run_name, "train": {k: v for k, v in ARMS[arm].items()}, "seed": seed,
             "steps": s.step, "trained_positions": s.tokens}
-    if s.steps_this_run:  # trained now: its speed (a run found finished has none to report)
+    if s.steps_this_run and s.resumed_from_step is None:  # trained whole now: its speed (a resumed run's is partial)
         info.update(train_s=time.monotonic() - t0, train_tok_s=s.tokens / max(s.seconds, 1e-9))
     if s.validations:
         info["validations"] = [{k: v[k] for k in ("step", "epoch", "expected_acceptance")} for v in s.validations]
-    fmt = cfg.export_formats[0]  # sglang, or speculators for a draft only vLLM serves
-    if s.exports.get(fmt):
-        info.update(export=s.exports[fmt], exported_step=s.exported_step,
+    export_format = cfg.export_formats[0]  # sglang, or speculators for a draft only vLLM serves
+    if s.exports.get(export_format):
+        info.update(export=s.exports[export_format], exported_step=s.exported_step,
                     exported_expected_acceptance=s.exported_expected_acceptance)
     else:  # trained in an earlier invocation: its newest export
-        row = store.checkpoints.latest_export(cfg.run_name, fmt)
+        row = store.checkpoints.latest_export(cfg.run_name, export_format)
         if row is None:
-            raise SystemExit(f"{cfg.run_name}: trained, but no {fmt} export of it is registered")
+            raise SystemExit(f"{cfg.run_name}: trained, but no {export_format} export of it is registered")
         info.update(export=row["path"], exported_step=row["step"])
     return info
 
