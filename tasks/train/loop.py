@@ -45,7 +45,7 @@ from tasks.train.steps import (DataPosition, Item, Schedule, TrainState, epoch_b
                                load_checkpoint, make_optimizer, micro_batch_index, save_checkpoint, step_groups,
                                train_step, weights_sha256)
 from tasks.train.ttt import collate
-from tasks.train.validation import (Validation, keep_if_best, load_best, split_validation, validate,
+from tasks.train.validation import (Validation, best_folders, keep_if_best, load_best, split_validation, validate,
                                     validation_batches)
 
 
@@ -251,7 +251,7 @@ def run_training(config: TrainConfig, store: LineageStore, run_id: str, dist: Di
                                     state.step)
             exported = draft
             summary.exported_step, summary.exported_expected_acceptance = state.step, None
-            if validator is not None:  # the round's best validated draft, not its last
+            if validator is not None and best_folders(ckpt_root, pos.round_index):  # the round's best, not its last
                 exported = copy.deepcopy(draft)
                 best = load_best(ckpt_root, pos.round_index, exported)
                 summary.exported_step, summary.exported_expected_acceptance = best.step, best.expected_acceptance
