@@ -291,11 +291,24 @@ def list_checkpoints(root: Path) -> list[Path]:
                   and (p / STATE_FILE).is_file())
 
 
+def model_weights(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
+    """The draft's tensors as a checkpoint saves them: all but the frozen target embeddings."""
+    return {k: v.detach().contiguous() for k, v in draft.state_dict().items() if k not in FROZEN}
+
+
+def load_model_weights(draft: Eagle3Draft, path: Path, where: Path) -> None:
+    """Load `model_weights` saved at `path` into `draft`; refuses keys that do not fit it (`where` names the folder)."""
+    missing, unexpected = draft.load_state_dict(load_file(path), strict=False)
+    missing = [k for k in missing if k not in FROZEN]
+    if missing or unexpected:
+        raise ValueError(f"{where}: checkpoint keys do not fit the draft (missing {missing}, unexpected {unexpected})")
+
+
 def save_checkpoint(root: Path, draft: Eagle3Draft, optimizer: torch.optim.Optimizer, state: TrainState,
                     identity: dict, keep: int) -> Path:
     """Write a checkpoint of the run at `state.step`; older ones beyond `keep` are removed."""
     folder = checkpoint_dir(root, state.step)
-    model = {k: v.detach().contiguous() for k, v in draft.state_dict().items() if k not in FROZEN}
+    model = model_weights(draft)
     opt = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
     for idx, st in opt["state"].items():
@@ -325,10 +338,7 @@ def load_checkpoint(folder: Path, draft: Eagle3Draft, optimizer: torch.optim.Opt
     if diff:
         raise ValueError(f"{folder} belongs to another training setup (differs in {', '.join(diff)}); "
                          "use another run_name for a new run")
-    missing, unexpected = draft.load_state_dict(load_file(folder / MODEL_FILE), strict=False)
-    missing = [k for k in missing if k not in FROZEN]
-    if missing or unexpected:
-        raise ValueError(f"{folder}: checkpoint keys do not fit the draft (missing {missing}, unexpected {unexpected})")
+    load_model_weights(draft, folder / MODEL_FILE, folder)
     tensors = load_file(folder / OPTIMIZER_FILE)
     state: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():

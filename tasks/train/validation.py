@@ -18,12 +18,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from storage.datasets import write_folder_atomically
 from tasks.extract.hf_backend import Extracted
 from tasks.model.draft import Eagle3Draft
-from tasks.train.steps import FROZEN, Item
+from tasks.train.steps import Item, load_model_weights, model_weights
 from tasks.train.ttt import collate, ttt_loss
 
 BEST_MODEL = "model.safetensors"
@@ -136,7 +136,7 @@ def keep_if_best(ckpt_root: Path, round_index: int, draft: Eagle3Draft, v: Valid
     best = read_best(ckpt_root, round_index)
     if best is not None and v.expected_acceptance <= best.expected_acceptance:
         return False
-    weights = {k: t.detach().contiguous() for k, t in draft.state_dict().items() if k not in FROZEN}
+    weights = model_weights(draft)
 
     def write(tmp: Path) -> None:
         save_file(weights, tmp / BEST_MODEL)
@@ -157,7 +157,5 @@ def load_best(ckpt_root: Path, round_index: int, draft: Eagle3Draft) -> Validati
     folders = best_folders(ckpt_root, round_index)
     if not folders:
         raise FileNotFoundError(f"{ckpt_root}: no validated draft in round {round_index}")
-    missing, unexpected = draft.load_state_dict(load_file(folders[-1] / BEST_MODEL), strict=False)
-    if [k for k in missing if k not in FROZEN] or unexpected:
-        raise ValueError(f"{folders[-1]}: weights do not fit the draft (missing {missing}, unexpected {unexpected})")
+    load_model_weights(draft, folders[-1] / BEST_MODEL, folders[-1])
     return Validation(**json.loads((folders[-1] / BEST_INFO).read_text()))
