@@ -144,6 +144,34 @@ def test_final_state_baseline_feeds_the_final_state_in_place_of_fc(tiny):
     assert eagle3.propose(state, 4) != before[1]
 
 
+def test_greedy_paths_kept_on_disk_measure_exactly_as_decoded_and_refuse_a_layer_not_kept(tiny, tmp_path):
+    from tasks.evaluate.decoding import greedy_path
+    from tasks.evaluate.path_cache import load_paths, save_paths
+
+    draft, prompts = _draft(tiny), _prompts(3, seed=2)
+    paths = {p.item_id: greedy_path(tiny, p.input_ids, 12) for p in prompts}
+    file = tmp_path / "paths.safetensors"
+    save_paths(file, paths, [i + 1 for i in AUX] + [-1])
+    read = load_paths(file)
+    assert list(read) == list(paths) and load_paths(tmp_path / "none.safetensors") == {}
+    for item_id, p in paths.items():
+        q = read[item_id]
+        assert (q.prompt_tokens, q.finish_reason) == (p.prompt_tokens, p.finish_reason)
+        assert torch.equal(q.tokens, p.tokens)
+        for i in [*(a + 1 for a in AUX), LAYERS]:  # kept bit for bit, float32 stays float32
+            assert q.hidden_states[i].dtype == torch.float32 and torch.equal(q.hidden_states[i], p.hidden_states[i])
+    fresh = evaluate_acceptance(tiny, prompts, [Eagle3Drafter(draft), Eagle3Drafter(draft, "final")], 3, 12)
+    cached = evaluate_acceptance(tiny, prompts, [Eagle3Drafter(draft), Eagle3Drafter(draft, "final")], 3, 12,
+                                 paths=read)
+    assert cached.requests == fresh.requests
+    other = _draft(tiny, aux=(0, 3, 4))  # reads layers the file does not hold: an error naming the layer
+    with pytest.raises(LookupError, match="hidden layer 1 of the greedy path was not kept"):
+        evaluate_acceptance(tiny, prompts, [Eagle3Drafter(other)], 3, 12, paths=read)
+    file.write_bytes(b"")
+    with pytest.raises(Exception):
+        load_paths(file)
+
+
 def test_prompt_lookup_proposes_what_followed_the_latest_match():
     pl = PromptLookupDrafter(max_ngram=3)
 

@@ -113,14 +113,33 @@ class Bench:
                         + prompts_for_benchmark(tokenizer, identity.chat_template, benchmark_sets(True), humaneval))
         self.stops = stop_token_ids(self.model, tokenizer)
         self.max_new, self.k = max_new, k
-        self.paths: dict = {}
+        # The greedy paths are most of a measuring process's cost (about 30 of its first 40 minutes here): kept on
+        # disk under everything that decides them, so the next process (another arm, an imported draft) reads them.
+        import torch
+
+        from tasks.evaluate.path_cache import load_paths, paths_key
+
+        aux = store.extraction.settings(None)["settings"]["aux_layer_ids"]
+        self.kept_layers = [i + 1 for i in aux] + [-1]  # what the aux drafters read; the final state for "final"
+        key = paths_key(target=identity.name, revision=identity.revision, template=identity.template_id,
+                        gguf=t.gguf, model_path=t.model_path, dtype=str(next(self.model.parameters()).dtype),
+                        torch=torch.__version__, max_new=max_new, stops=sorted(self.stops),
+                        prompts=[(p.item_id, list(p.input_ids)) for p in self.prompts])
+        self.paths_file = Path(data_cfg.workspace) / "reports" / f"greedy-paths-{key}.safetensors"
+        self.paths: dict = load_paths(self.paths_file, self.model.device)
+        if self.paths:
+            print(f"greedy paths of {len(self.paths)} prompts read from {self.paths_file}", flush=True)
 
     def measure(self, drafters) -> dict:
         """{<drafter>_<domain>: acceptance, ..._pos, ..._per_request} for each drafter and domain."""
         from tasks.evaluate.offline import evaluate_acceptance
+        from tasks.evaluate.path_cache import save_paths
 
+        decoded = len(self.paths)
         report = evaluate_acceptance(self.model, self.prompts, drafters, self.k, self.max_new, self.stops,
                                      paths=self.paths)
+        if len(self.paths) > decoded:
+            save_paths(self.paths_file, self.paths, self.kept_layers)
         row: dict = {"lossless_checked": report.lossless_checked}
         for d in drafters:
             short = "eagle3" if d.name == "eagle3" else "lookup"
