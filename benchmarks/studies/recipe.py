@@ -7,6 +7,7 @@ training run on that extraction (`train.extract_key`, nothing deleted) that chan
   steps, random head): the selection study's `uniform-f32-1epoch` recipe, the default until now;
 - `head-target`: the head started from the target's rows, trained (`train.init: target_head`);
 - `head-frozen`: the head started from the target's rows and frozen (`train.head: frozen`), as speculators does;
+- `4ep`: 4 passes at the same constant lr (configs/demo.yaml's recipe);
 - `cosine-4ep`, `head-frozen-cosine-4ep`, `...-10ep`: more passes with cosine decay, 16 samples held out and
   the export the best draft by expected acceptance on them (`train.validation_samples`), never by the
   held-out prompt sets.
@@ -50,6 +51,7 @@ ARMS: dict[str, dict] = {
     "base": {},
     "head-target": {"init": "target_head"},
     "head-frozen": {"init": "target_head", "head": "frozen"},
+    "4ep": {"epochs": 4},  # the demo's recipe (constant lr): what cosine and the kept draft are measured against
     "cosine-4ep": {"epochs": 4, **COSINE, **VALIDATION},
     "head-frozen-cosine-4ep": {"init": "target_head", "head": "frozen", "epochs": 4, **COSINE, **VALIDATION},
     "head-frozen-cosine-10ep": {"init": "target_head", "head": "frozen", "epochs": 10, **COSINE, **VALIDATION},
@@ -58,6 +60,12 @@ ARMS: dict[str, dict] = {
     "head-frozen-norms": {"init": "target_head", "head": "frozen", "norm_before_fc": True, "norm_output": True,
                           "export_formats": ["speculators"]},
 }
+
+# The anchor (issue 42): vLLM's own trainer, speculators 0.9.0, on the same extraction with its own recipe (Muon,
+# linear decay, frozen target head, Eagle 3.1 norms, forward-KL over the draft vocab); only the passes and what
+# benchmarks/studies/speculators_anchor/run.py's ANCHOR_FLAGS say differ from its defaults.
+ANCHOR_ARMS: dict[str, dict] = {"speculators-1ep": {"epochs": 1}, "speculators-4ep": {"epochs": 4}}
+ARM_ORDER = [*ARMS, *ANCHOR_ARMS]
 
 
 def point_key(arm: str, seed: int) -> str:
@@ -151,6 +159,21 @@ class Bench:
                                                      for r in report.requests if r.drafter == d.name and r.domain == dom}
         return row
 
+    def decode_paths(self) -> int:
+        """The target's greedy path of every prompt, decoded now and kept on disk (no drafter measured): run
+        beside a training arm, so the measuring that follows it only runs drafts. Returns the prompts decoded."""
+        from tqdm import tqdm
+
+        from tasks.evaluate.decoding import greedy_path
+        from tasks.evaluate.path_cache import save_paths
+
+        todo = [p for p in self.prompts if p.item_id not in self.paths]
+        for p in tqdm(todo, desc="greedy paths", unit="prompt"):
+            self.paths[p.item_id] = greedy_path(self.model, p.input_ids, self.max_new, self.stops)
+        if todo:
+            save_paths(self.paths_file, self.paths, self.kept_layers)
+        return len(todo)
+
     def draft(self, export: str) -> dict:
         from tasks.evaluate.drafters import Eagle3Drafter
         from tasks.evaluate.offline import load_draft_for_target
@@ -182,10 +205,27 @@ def prepare_data(cfg, workspace: Path, size: int) -> None:
     print(f"extract: {s.extracted} samples, {s.tokens:,} tokens, {s.masked_tokens:,} loss-masked", flush=True)
 
 
+def train_anchor_arm(data_cfg, arm: str, seed: int, store) -> dict:
+    """Train the anchor arm with speculators (resumes; a finished run trains nothing more) and describe its export."""
+    from benchmarks.studies.speculators_anchor.run import train_anchor
+    from tasks.model.target import load_configured_target_files
+
+    settings = store.extraction.settings(None)
+    t = data_cfg.train.target
+    files = load_configured_target_files(t.gguf, t.model_path, t.revision, t.trust_remote_code, dtype="float32")
+    workspace = Path(data_cfg.workspace)
+    return train_anchor(workspace, f"{arm}-s{seed}", epochs=ANCHOR_ARMS[arm]["epochs"], seed=seed,
+                        shards=workspace / "shards", vocab=workspace / settings["vocab_file"], target=files.folder,
+                        aux_layer_ids=settings["settings"]["aux_layer_ids"],
+                        target_num_layers=files.config.num_hidden_layers)
+
+
 def train_arm(data_cfg, arm: str, seed: int, store) -> dict:
     """Train the arm's run (resumes; a finished run trains nothing more) and describe its export."""
     from flows.train import train
 
+    if arm in ANCHOR_ARMS:
+        return train_anchor_arm(data_cfg, arm, seed, store)
     cfg = train_config(data_cfg, arm, seed)
     t0 = time.monotonic()
     s = train(cfg)
@@ -231,6 +271,12 @@ def run(args: argparse.Namespace) -> None:
             t0 = time.monotonic()
             prepare_data(cfg, args.workspace, args.size)
             print(f"data prepared in {time.monotonic() - t0:.0f} s", flush=True)
+        if args.paths_only:
+            t0 = time.monotonic()
+            bench = Bench(data_cfg, store, args.chat_prompts, args.humaneval, args.max_new, args.k)
+            n = bench.decode_paths()
+            print(f"{n} greedy paths decoded in {time.monotonic() - t0:.0f} s: {bench.paths_file}", flush=True)
+            return
         for seed in args.seeds:
             for arm in args.arms:
                 if point_key(arm, seed) in done:
@@ -286,7 +332,7 @@ def report(results: Path) -> str:
              "| arm | seed | held-out chat | x base | x lookup | HumanEval | x base | x lookup | steps (kept) "
              "| val. exp. acceptance | train tok/s |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for key, r in sorted(rows.items(), key=lambda kv: (list(ARMS).index(kv[1]["arm"]) if kv[1]["arm"] in ARMS else 99,
+    for key, r in sorted(rows.items(), key=lambda kv: (ARM_ORDER.index(kv[1]["arm"]) if kv[1]["arm"] in ARM_ORDER else 99,
                                                           kv[1].get("seed", 0))):
         if r["arm"] == "lookup":
             continue
@@ -342,7 +388,7 @@ def plot(results: Path, out: Path) -> Path | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workspace", type=Path, default=WORKSPACE)
-    ap.add_argument("--arms", nargs="+", default=["base", "head-frozen"], choices=list(ARMS))
+    ap.add_argument("--arms", nargs="+", default=["base", "head-frozen"], choices=ARM_ORDER)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--size", type=int, default=200_000,
                     help="loss-masked tokens of the shared extraction, when the workspace has none yet")
@@ -350,6 +396,8 @@ def main() -> None:
     ap.add_argument("--humaneval", type=int, default=164, help="HumanEval problems (164: all)")
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--paths-only", action="store_true",
+                    help="only decode and keep the target's greedy paths (beside a training arm; no arm trained)")
     ap.add_argument("--report", action="store_true", help="only print the report and draw the plot")
     ap.add_argument("--results", type=Path, default=None)
     args = ap.parse_args()
