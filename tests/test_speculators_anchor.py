@@ -124,7 +124,7 @@ def _speculators_save(tmp_path: Path):
     target = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
                                           num_key_value_heads=2, intermediate_size=128, vocab_size=512)).eval()
     draft = random_draft(target, 128, (1, 2, 4), norm_before_fc=True, norm_output=True)
-    src = export_speculators(draft, tmp_path / "1", "verifier", dtype=torch.float32)
+    src = export_speculators(draft, tmp_path / "1", "verifier", dtype=torch.float32, include_embeddings=True)
     cfg = json.loads((src / "config.json").read_text())
     cfg["architectures"] = ["Eagle3DraftModel"]
     del cfg["eagle3_pipeline"]
@@ -139,8 +139,13 @@ def test_a_speculators_checkpoint_is_imported_so_our_loader_computes_the_same_dr
     draft, src = _speculators_save(tmp_path)
     with pytest.raises(CheckpointError):
         load_draft(src)  # as speculators saves it, our loader (and vLLM's reader) do not take it
-    out = import_checkpoint(src, tmp_path / "export", [1, 2, 4], 6)
-    assert (out / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+    embed = draft.embed_tokens.weight.detach()
+    with pytest.raises(AnchorError, match="embed_tokens differ from the target's"):
+        import_checkpoint(src, tmp_path / "export", [1, 2, 4], 6, embed + 1)
+    out = import_checkpoint(src, tmp_path / "export", [1, 2, 4], 6, embed)
+    saved, imported = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert "embed_tokens.weight" in saved and set(imported) == set(saved) - {"embed_tokens.weight"}
+    assert all(torch.equal(imported[k], saved[k]) for k in imported)  # the draft's weights unchanged
     back = load_draft(out, embed_tokens=draft.embed_tokens.weight)
     assert back.config == draft.config
     g = torch.Generator().manual_seed(3)
@@ -149,12 +154,12 @@ def test_a_speculators_checkpoint_is_imported_so_our_loader_computes_the_same_dr
         for a, b in zip(draft(aux, ids, steps=3), back(aux, ids, steps=3)):
             assert torch.equal(a, b)
     with pytest.raises(AnchorError, match=r"layers \[2, 3, 5\], the extraction's are \[1, 2, 3\]"):
-        import_checkpoint(src, tmp_path / "other", [1, 2, 3], 6)
+        import_checkpoint(src, tmp_path / "other", [1, 2, 3], 6, embed)
     cfg = json.loads((src / "config.json").read_text())
     cfg["norm_before_residual"] = True  # speculators' default: a layer our draft does not compute
     (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(AnchorError, match="norm_before_residual is True"):
-        import_checkpoint(src, tmp_path / "nbr", [1, 2, 4], 6)
+        import_checkpoint(src, tmp_path / "nbr", [1, 2, 4], 6, embed)
     assert not (tmp_path / "nbr").exists()
 
 

@@ -61,11 +61,16 @@ def last_epoch(save: Path) -> Path | None:
     return ends[-1][1].resolve() if ends else None
 
 
-def import_checkpoint(src: Path, dst: Path, aux_layer_ids: list[int], target_num_layers: int) -> Path:
-    """`src` (a speculators checkpoint folder) as a draft folder our loader reads: the weights byte for byte,
+def import_checkpoint(src: Path, dst: Path, aux_layer_ids: list[int], target_num_layers: int,
+                      target_embeddings) -> Path:
+    """`src` (a speculators checkpoint folder) as a draft folder our loader reads: the draft's weights unchanged,
     config.json with the architecture vLLM's speculators reader names (`Eagle3Speculator`; speculators' own save
-    writes `Eagle3DraftModel`) and our record. A residual-normalising layer is refused: our draft computes the
-    other one, so the same weights would give other logits."""
+    writes `Eagle3DraftModel`) and our record. speculators saves the embeddings it kept frozen; they are dropped
+    once checked equal to the target's (`target_embeddings`), as our exports leave them to the target. A
+    residual-normalising layer is refused: our draft computes the other one, so the same weights would give
+    other logits."""
+    from safetensors.torch import load_file, save_file
+
     from serving.draft_folder import FORMAT, PROJECT_KEY, SPECULATORS_ARCHITECTURE
 
     cfg = json.loads((src / "config.json").read_text())
@@ -80,7 +85,12 @@ def import_checkpoint(src: Path, dst: Path, aux_layer_ids: list[int], target_num
     tmp = dst.with_name(f".{dst.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    shutil.copyfile(src / "model.safetensors", tmp / "model.safetensors")
+    weights = load_file(str(src / "model.safetensors"))
+    embed = weights.pop("embed_tokens.weight", None)
+    if embed is not None and not (embed.shape == target_embeddings.shape
+                                  and bool((embed == target_embeddings.to(embed.dtype)).all())):
+        raise AnchorError(f"{src}: its embed_tokens differ from the target's; the draft trained them (not frozen)")
+    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     cfg["architectures"] = [SPECULATORS_ARCHITECTURE]
     cfg[PROJECT_KEY] = {"format": FORMAT, "aux_layer_ids": list(aux_layer_ids), "target_num_layers": target_num_layers,
                         "trained_by": f"speculators {cfg.get('speculators_version')}", "checkpoint": str(src)}
@@ -88,6 +98,14 @@ def import_checkpoint(src: Path, dst: Path, aux_layer_ids: list[int], target_num
     shutil.rmtree(dst, ignore_errors=True)
     tmp.rename(dst)
     return dst
+
+
+def target_embeddings(target: Path):
+    """The target's input embeddings, from its transformers folder."""
+    from safetensors import safe_open
+
+    with safe_open(str(target / "model.safetensors"), "pt") as f:
+        return f.get_tensor("model.embed_tokens.weight")
 
 
 def train_anchor(workspace: Path, run_name: str, *, epochs: int, seed: int, lr: float = 1e-3, threads: int = 2,
@@ -119,7 +137,8 @@ def train_anchor(workspace: Path, run_name: str, *, epochs: int, seed: int, lr: 
     state = json.loads((ckpt / "training_state.json").read_text())
     info = {"run_name": run_name, "trainer": "speculators", "seed": seed, "steps": state["global_step"],
             "train": {"epochs": epochs, "lr": lr, "flags": ANCHOR_FLAGS, "threads": threads},
-            "export": str(import_checkpoint(ckpt, save / "export", aux_layer_ids, target_num_layers)),
+            "export": str(import_checkpoint(ckpt, save / "export", aux_layer_ids, target_num_layers,
+                                            target_embeddings(target))),
             "exported_step": state["global_step"]}
     if not resumed:  # the whole run in this call: its speed (tokens trained over wall time, startup included)
         info.update(train_s=seconds, train_tok_s=manifest["tokens"] * 0.99 * epochs / seconds)
