@@ -11,6 +11,8 @@ training run on that extraction (`train.extract_key`, nothing deleted) that chan
 - `cosine-4ep`, `head-frozen-cosine-4ep`, `...-10ep`: more passes with cosine decay, 16 samples held out and
   the export the best draft by expected acceptance on them (`train.validation_samples`), never by the
   held-out prompt sets.
+- `speculators-1ep`, `speculators-4ep`: the anchor, vLLM's own trainer (speculators 0.9.0, `make speculators`) on the
+  same extraction with its own recipe (benchmarks/studies/speculators_anchor), its checkpoint imported.
 Every arm's draft is measured by the offline evaluator (the HF target in float32, greedy, k = 3, every output
 checked equal to plain greedy) on held-out chat prompts that discover reserved (never trained on) and on
 HumanEval, with prompt lookup beside them; the report gives each arm's ratio to `base` and to lookup with
@@ -18,7 +20,8 @@ a 90% paired bootstrap interval over the prompts.
 
 A workspace without the extraction gets it first, from the packed answers (`--size` loss-masked tokens;
 `prepare_data`). One process trains and measures every arm it is given (the target's greedy paths are decoded once and
-shared); a rerun skips trained runs and measured points (`<workspace>/reports/recipe.jsonl`, merged into
+shared, and kept on disk for the next process; `--paths-only` decodes them beside a training arm); a rerun skips
+trained runs and measured points (`<workspace>/reports/recipe.jsonl`, merged into
 benchmarks/results/recipe.jsonl at the end).
 
     nice -n 5 .venv/bin/python -m benchmarks.studies.recipe --arms base head-frozen --seeds 0
