@@ -7,6 +7,7 @@ training run on that extraction (`train.extract_key`, nothing deleted) that chan
   steps, random head): the selection study's `uniform-f32-1epoch` recipe, the default until now;
 - `head-target`: the head started from the target's rows, trained (`train.init: target_head`);
 - `head-frozen`: the head started from the target's rows and frozen (`train.head: frozen`), as speculators does;
+- `step-decay-1`: the TTT steps' losses weighted equally, as speculators does (ours: 0.8^i);
 - `4ep`: 4 passes at the same constant lr (configs/demo.yaml's recipe);
 - `cosine-4ep`, `head-frozen-cosine-4ep`, `...-10ep`: more passes with cosine decay, 16 samples held out and
   the export the best draft by expected acceptance on them (`train.validation_samples`), never by the
@@ -54,6 +55,7 @@ ARMS: dict[str, dict] = {
     "base": {},
     "head-target": {"init": "target_head"},
     "head-frozen": {"init": "target_head", "head": "frozen"},
+    "step-decay-1": {"step_decay": 1.0},  # speculators weighs the TTT steps' losses equally (ours: 0.8^i)
     "4ep": {"epochs": 4},  # the demo's recipe (constant lr): what cosine and the kept draft are measured against
     "cosine-4ep": {"epochs": 4, **COSINE, **VALIDATION},
     "head-frozen-cosine-4ep": {"init": "target_head", "head": "frozen", "epochs": 4, **COSINE, **VALIDATION},
