@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from benchmarks.studies.speculators_anchor.convert import ConvertError, convert
-from benchmarks.studies.speculators_anchor.run import AnchorError, import_checkpoint, last_epoch
+from benchmarks.studies.speculators_anchor.run import AnchorError, ensure_data, import_checkpoint, last_epoch
 
 H, V, EPS = 8, 32, 1e-5
 AUX = [1, 2, 3]
@@ -88,6 +88,18 @@ def test_every_sample_is_converted_in_order_with_the_pre_norm_state_that_gives_b
             i += 1
     d2t, t2d = np.load(root / "out" / "d2t-5.npy"), np.load(root / "out" / "t2d-5.npy")
     assert (np.arange(5) + d2t).tolist() == [0, 3, 4, 9, 20] and t2d.sum() == 5
+
+
+def test_the_conversion_is_reused_only_for_the_same_samples_and_vocab(extraction):
+    root, w, _ = extraction
+    vocab = _vocab(root / "vocab.safetensors", [0, 3, 4, 9, 20])
+    out = ensure_data(root, root / "shards", vocab, root / "target")
+    stamp = (out / "manifest.json").stat().st_mtime_ns
+    assert ensure_data(root, root / "shards", vocab, root / "target") == out  # reused, not converted again
+    assert (out / "manifest.json").stat().st_mtime_ns == stamp
+    _shard(root / "shards" / "k-000003.safetensors", w, [2], ["e"], 3)  # the extraction grew
+    with pytest.raises(AnchorError, match="sample_ids differ"):
+        ensure_data(root, root / "shards", vocab, root / "target")
 
 
 @pytest.mark.parametrize("breaks, match", [

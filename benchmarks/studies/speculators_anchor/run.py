@@ -43,16 +43,30 @@ def ensure_data(workspace: Path, shards: Path, vocab: Path, target: Path) -> Pat
     out = workspace / "anchor" / f"data-{HS_DTYPE}"
     if out.exists():
         manifest = json.loads((out / "manifest.json").read_text())
-        want = {"vocab_sha256": sha256_file(vocab), "shards": str(shards.resolve())}
+        want = {"vocab_sha256": sha256_file(vocab), "shards": str(shards.resolve()),
+                "sample_ids": shard_sample_ids(shards)}
         have = {k: manifest.get(k) for k in want}
         if have != want:
-            raise AnchorError(f"{out} was converted from {have}, not {want}; remove it to convert again")
+            changed = [k for k in want if have[k] != want[k]]
+            raise AnchorError(f"{out} was converted from other data ({', '.join(changed)} differ: the extraction "
+                              "grew or changed since); remove it to convert again")
         return out
     t0 = time.monotonic()
     m = convert(shards, vocab, target, out, HS_DTYPE)
     print(f"anchor data: {m['samples']} samples, {m['tokens']:,} tokens ({m['loss_masked_tokens']:,} loss-masked) "
           f"converted in {time.monotonic() - t0:.0f} s -> {out}", flush=True)
     return out
+
+
+def shard_sample_ids(shards: Path) -> list[str]:
+    """The extraction's sample ids in the order convert.py writes them (shard name, then file order)."""
+    from safetensors import safe_open
+
+    ids: list[str] = []
+    for sf in sorted(shards.glob("*.safetensors")):
+        with safe_open(str(sf), "pt") as f:
+            ids += json.loads((f.metadata() or {}).get("sample_ids", "[]"))
+    return ids
 
 
 def last_epoch(save: Path) -> Path | None:
