@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -58,6 +57,8 @@ def save_paths(file: Path, paths: dict[str, GreedyPath], layers: Sequence[int]) 
     count from the end); atomic: a crash leaves the old file or none."""
     from safetensors.torch import save_file
 
+    from storage.datasets import atomic_path
+
     if not paths:
         raise ValueError("no greedy paths to save")
     n_hidden = {len(p.hidden_states) for p in paths.values()}
@@ -72,11 +73,9 @@ def save_paths(file: Path, paths: dict[str, GreedyPath], layers: Sequence[int]) 
         for i in kept:
             tensors[f"{j}.h{i}"] = p.hidden_states[i].detach().cpu().contiguous()
         index[item_id] = {"slot": j, "prompt_tokens": p.prompt_tokens, "finish_reason": p.finish_reason}
-    file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"format": FORMAT, "n_hidden": str(n), "layers": json.dumps(kept),
-                                             "paths": json.dumps(index)})
-    os.replace(tmp, file)
+    with atomic_path(file) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": FORMAT, "n_hidden": str(n), "layers": json.dumps(kept),
+                                                 "paths": json.dumps(index)})
 
 
 def load_paths(file: Path, device: torch.device | str = "cpu") -> dict[str, GreedyPath]:

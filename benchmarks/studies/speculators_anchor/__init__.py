@@ -1,7 +1,7 @@
 """The anchor of the recipe study (issue 42): vLLM's own trainer, `speculators` (PyPI 0.9.0), on our data.
 
 Three parts, split by the environment they run in:
-- `convert.py` (either venv; numpy, torch, safetensors, datasets): our extraction's shards and draft vocab to
+- `convert.py` (the project venv): our extraction's shards and draft vocab to
   speculators' offline data folder, every sample, nothing changed but the layout;
 - `train_cpu.py` (`.venv-speculators` only, `make speculators`): speculators' own training entry point with the
   few runtime patches a CPU-only machine needs (no file of the package is edited);

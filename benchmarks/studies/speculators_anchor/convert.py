@@ -1,4 +1,4 @@
-"""Our extraction (shards + draft vocab) as speculators 0.9.0's offline training data; runs in either venv.
+"""Our extraction (shards + draft vocab) as speculators 0.9.0's offline training data (the project venv).
 
 What speculators reads (speculators/train/data.py `ArrowDataset`, hs_connectors' file transfer, train/cli.py's
 vocab mapping) and what this writes:
@@ -13,21 +13,22 @@ vocab mapping) and what this writes:
 - OUT/manifest.json: provenance (our sample ids in row order, layer ids both ways, vocab sha256, counts).
 
 Every sample is kept, in shard-name then file order (deterministic). Any mismatch is refused with the shard and
-the sample named. The folder is written beside OUT and renamed into place, so a crash leaves none.
+the sample named. The folder is written beside OUT and renamed into place (storage.datasets'
+`write_folder_atomically`), so a crash leaves none.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+
+from storage.datasets import file_sha256, write_folder_atomically
 
 SHARD_TENSORS = {"aux_hidden", "final_hidden", "input_ids", "loss_mask", "sample_offsets"}
 
@@ -39,14 +40,6 @@ class ConvertError(ValueError):
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ConvertError(msg)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def speculators_vocab(path: Path, target_vocab: int) -> tuple[np.ndarray, np.ndarray]:
@@ -89,69 +82,73 @@ def convert(shards: Path, vocab: Path, target: Path, out: Path, hs_dtype: str = 
     dtype = getattr(torch, hs_dtype)
     files = sorted(shards.glob("*.safetensors"))
     _check(bool(files), f"no *.safetensors in {shards}")
-    tmp = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "hidden_states").mkdir(parents=True)
-    rows: dict[str, list] = {k: [] for k in ("input_ids", "loss_mask", "seq_len", "sample_id", "shard", "row_in_shard")}
-    aux_ids, worst, i, masked = None, 0.0, 0, 0
-    for sf in files:
-        with safe_open(str(sf), "pt") as f:
-            meta, keys = f.metadata() or {}, set(f.keys())
-        _check(SHARD_TENSORS <= keys, f"{sf.name}: missing tensors {sorted(SHARD_TENSORS - keys)}")
-        _check(meta.get("teacher", "final_hidden") == "final_hidden", f"{sf.name}: teacher {meta.get('teacher')!r}")
-        ids_here = json.loads(meta.get("aux_layer_ids", "null"))
-        _check(isinstance(ids_here, list) and len(ids_here) == 3, f"{sf.name}: aux_layer_ids {ids_here}, need 3")
-        aux_ids = aux_ids or ids_here
-        _check(ids_here == aux_ids, f"{sf.name}: aux_layer_ids {ids_here}, the first shard's {aux_ids}")
-        sample_ids = json.loads(meta.get("sample_ids", "null"))
-        t = load_file(str(sf))
-        n = t["input_ids"].shape[0]
-        off = t["sample_offsets"]
-        _check(list(t["aux_hidden"].shape) == [n, 3 * hidden] and list(t["final_hidden"].shape) == [n, hidden]
-               and list(t["loss_mask"].shape) == [n], f"{sf.name}: tensor shapes disagree with [{n}] tokens")
-        _check(int(off[0]) == 0 and int(off[-1]) == n and bool((off[1:] > off[:-1]).all()),
-               f"{sf.name}: sample_offsets must rise from 0 to {n}")
-        _check(isinstance(sample_ids, list) and len(sample_ids) == off.numel() - 1,
-               f"{sf.name}: sample ids do not match its {off.numel() - 1} samples")
-        _check(0 <= int(t["input_ids"].min()) and int(t["input_ids"].max()) < vocab_size,
-               f"{sf.name}: token ids outside the target's vocab")
-        for j, sid in enumerate(sample_ids):
-            if limit is not None and i >= limit:
-                break
-            _check(sid not in rows["sample_id"], f"{sf.name}: sample {sid} appears twice in the extraction")
-            s, e = int(off[j]), int(off[j + 1])
-            aux, final = t["aux_hidden"][s:e].float(), t["final_hidden"][s:e].float()
-            _check(bool(torch.isfinite(aux).all() and torch.isfinite(final).all()),
-                   f"{sf.name}: sample {sid} holds non-finite states")
-            pre = final / norm_w
-            # how exactly the stand-in gives back the post-norm state once stored in `hs_dtype`
-            back = pre.to(dtype).float()
-            back = back * torch.rsqrt(back.pow(2).mean(-1, keepdim=True) + float(cfg["rms_norm_eps"])) * norm_w
-            worst = max(worst, float((back - final).abs().max()))
-            tokens = t["input_ids"][s:e].to(torch.int64).contiguous()
-            hs = torch.cat([aux.view(e - s, 3, hidden), pre.view(e - s, 1, hidden)], dim=1).to(dtype).contiguous()
-            save_file({"hidden_states": hs, "token_ids": tokens}, str(tmp / "hidden_states" / f"hs_{i}.safetensors"))
-            mask = t["loss_mask"][s:e].to(torch.int64)
-            masked += int(mask.sum())
-            for k, v in (("input_ids", tokens.tolist()), ("loss_mask", mask.tolist()), ("seq_len", e - s),
-                         ("sample_id", sid), ("shard", sf.name), ("row_in_shard", j)):
-                rows[k].append(v)
-            i += 1
-    _check(i > 0, f"no samples in {shards}")
-    ds = Dataset.from_dict(rows)
-    ds.set_format(type="torch", columns=["input_ids", "loss_mask", "seq_len"], output_all_columns=True)
-    ds.save_to_disk(str(tmp))
-    n_draft = len(d2t)
-    np.save(tmp / f"d2t-{n_draft}.npy", d2t)
-    np.save(tmp / f"t2d-{n_draft}.npy", t2d)
-    manifest = {"format": "speculators-0.9.0-offline-data", "samples": i, "tokens": sum(rows["seq_len"]),
-                "loss_masked_tokens": masked, "aux_layer_ids": aux_ids,
-                "speculators_layer_ids": [k + 1 for k in aux_ids],  # vLLM/speculators count the embeddings as 0
-                "hs_dtype": hs_dtype, "prenorm_roundtrip_max_abs_err": worst, "draft_vocab_size": n_draft,
-                "vocab_sha256": sha256_file(vocab), "shards": str(shards.resolve()), "target": str(target.resolve()),
-                "sample_ids": rows["sample_id"]}
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    tmp.rename(out)
+    manifest: dict = {}
+
+    def write(tmp: Path) -> None:
+        (tmp / "hidden_states").mkdir()
+        rows: dict[str, list] = {k: [] for k in ("input_ids", "loss_mask", "seq_len", "sample_id", "shard",
+                                                 "row_in_shard")}
+        aux_ids, worst, i, masked = None, 0.0, 0, 0
+        for sf in files:
+            with safe_open(str(sf), "pt") as f:
+                meta, keys = f.metadata() or {}, set(f.keys())
+            _check(SHARD_TENSORS <= keys, f"{sf.name}: missing tensors {sorted(SHARD_TENSORS - keys)}")
+            _check(meta.get("teacher", "final_hidden") == "final_hidden", f"{sf.name}: teacher {meta.get('teacher')!r}")
+            ids_here = json.loads(meta.get("aux_layer_ids", "null"))
+            _check(isinstance(ids_here, list) and len(ids_here) == 3, f"{sf.name}: aux_layer_ids {ids_here}, need 3")
+            aux_ids = aux_ids or ids_here
+            _check(ids_here == aux_ids, f"{sf.name}: aux_layer_ids {ids_here}, the first shard's {aux_ids}")
+            sample_ids = json.loads(meta.get("sample_ids", "null"))
+            t = load_file(str(sf))
+            n = t["input_ids"].shape[0]
+            off = t["sample_offsets"]
+            _check(list(t["aux_hidden"].shape) == [n, 3 * hidden] and list(t["final_hidden"].shape) == [n, hidden]
+                   and list(t["loss_mask"].shape) == [n], f"{sf.name}: tensor shapes disagree with [{n}] tokens")
+            _check(int(off[0]) == 0 and int(off[-1]) == n and bool((off[1:] > off[:-1]).all()),
+                   f"{sf.name}: sample_offsets must rise from 0 to {n}")
+            _check(isinstance(sample_ids, list) and len(sample_ids) == off.numel() - 1,
+                   f"{sf.name}: sample ids do not match its {off.numel() - 1} samples")
+            _check(0 <= int(t["input_ids"].min()) and int(t["input_ids"].max()) < vocab_size,
+                   f"{sf.name}: token ids outside the target's vocab")
+            for j, sid in enumerate(sample_ids):
+                if limit is not None and i >= limit:
+                    break
+                _check(sid not in rows["sample_id"], f"{sf.name}: sample {sid} appears twice in the extraction")
+                s, e = int(off[j]), int(off[j + 1])
+                aux, final = t["aux_hidden"][s:e].float(), t["final_hidden"][s:e].float()
+                _check(bool(torch.isfinite(aux).all() and torch.isfinite(final).all()),
+                       f"{sf.name}: sample {sid} holds non-finite states")
+                pre = final / norm_w
+                # how exactly the stand-in gives back the post-norm state once stored in `hs_dtype`
+                back = pre.to(dtype).float()
+                back = back * torch.rsqrt(back.pow(2).mean(-1, keepdim=True) + float(cfg["rms_norm_eps"])) * norm_w
+                worst = max(worst, float((back - final).abs().max()))
+                tokens = t["input_ids"][s:e].to(torch.int64).contiguous()
+                hs = torch.cat([aux.view(e - s, 3, hidden), pre.view(e - s, 1, hidden)], dim=1).to(dtype).contiguous()
+                save_file({"hidden_states": hs, "token_ids": tokens}, str(tmp / "hidden_states" / f"hs_{i}.safetensors"))
+                mask = t["loss_mask"][s:e].to(torch.int64)
+                masked += int(mask.sum())
+                for k, v in (("input_ids", tokens.tolist()), ("loss_mask", mask.tolist()), ("seq_len", e - s),
+                             ("sample_id", sid), ("shard", sf.name), ("row_in_shard", j)):
+                    rows[k].append(v)
+                i += 1
+        _check(i > 0, f"no samples in {shards}")
+        ds = Dataset.from_dict(rows)
+        ds.set_format(type="torch", columns=["input_ids", "loss_mask", "seq_len"], output_all_columns=True)
+        ds.save_to_disk(str(tmp))
+        n_draft = len(d2t)
+        np.save(tmp / f"d2t-{n_draft}.npy", d2t)
+        np.save(tmp / f"t2d-{n_draft}.npy", t2d)
+        manifest.update({
+            "format": "speculators-0.9.0-offline-data", "samples": i, "tokens": sum(rows["seq_len"]),
+            "loss_masked_tokens": masked, "aux_layer_ids": aux_ids,
+            "speculators_layer_ids": [k + 1 for k in aux_ids],  # vLLM/speculators count the embeddings as 0
+            "hs_dtype": hs_dtype, "prenorm_roundtrip_max_abs_err": worst, "draft_vocab_size": n_draft,
+            "vocab_sha256": file_sha256(vocab), "shards": str(shards.resolve()), "target": str(target.resolve()),
+            "sample_ids": rows["sample_id"]})
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+
+    write_folder_atomically(out, write)
     return manifest
 
 

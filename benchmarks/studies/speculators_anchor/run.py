@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 from benchmarks.report import ROOT
-from benchmarks.studies.speculators_anchor.convert import convert, sha256_file
+from benchmarks.studies.speculators_anchor.convert import convert
+from storage.datasets import file_sha256, write_folder_atomically
 
 SPECULATORS_PYTHON = ROOT / ".venv-speculators" / "bin" / "python"
 TRAIN_SCRIPT = Path(__file__).with_name("train_cpu.py")
@@ -44,7 +45,7 @@ def ensure_data(workspace: Path, shards: Path, vocab: Path, target: Path) -> Pat
     out = workspace / "anchor" / f"data-{HS_DTYPE}"
     if out.exists():
         manifest = json.loads((out / "manifest.json").read_text())
-        want = {"vocab_sha256": sha256_file(vocab), "shards": str(shards.resolve()),
+        want = {"vocab_sha256": file_sha256(vocab), "shards": str(shards.resolve()),
                 "sample_ids": shard_sample_ids(shards)}
         have = {k: manifest.get(k) for k in want}
         if have != want:
@@ -97,21 +98,21 @@ def import_checkpoint(src: Path, dst: Path, aux_layer_ids: list[int], target_num
     if cfg.get("eagle_aux_hidden_state_layer_ids") != [i + 1 for i in aux_layer_ids]:
         raise AnchorError(f"{src}: layers {cfg.get('eagle_aux_hidden_state_layer_ids')}, the extraction's are "
                           f"{aux_layer_ids} (+1 in speculators' count)")
-    tmp = dst.with_name(f".{dst.name}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     weights = load_file(str(src / "model.safetensors"))
     embed = weights.pop("embed_tokens.weight", None)
     if embed is not None and not (embed.shape == target_embeddings.shape
                                   and bool((embed == target_embeddings.to(embed.dtype)).all())):
         raise AnchorError(f"{src}: its embed_tokens differ from the target's; the draft trained them (not frozen)")
-    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     cfg["architectures"] = [SPECULATORS_ARCHITECTURE]
     cfg[PROJECT_KEY] = {"format": FORMAT, "aux_layer_ids": list(aux_layer_ids), "target_num_layers": target_num_layers,
                         "trained_by": f"speculators {cfg.get('speculators_version')}", "checkpoint": str(src)}
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    shutil.rmtree(dst, ignore_errors=True)
-    tmp.rename(dst)
+
+    def write(tmp: Path) -> None:
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+    shutil.rmtree(dst, ignore_errors=True)  # an earlier import of this run: replaced
+    write_folder_atomically(dst, write)
     return dst
 
 
