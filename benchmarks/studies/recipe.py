@@ -9,7 +9,7 @@ training run on that extraction (`train.extract_key`, nothing deleted) that chan
 - `head-frozen`: the head started from the target's rows and frozen (`train.head: frozen`), as speculators does;
 - `step-decay-1`: the TTT steps' losses weighted equally, as speculators does (ours: 0.8^i);
 - `4ep`: 4 passes at the same constant lr (configs/demo.yaml's recipe);
-- `cosine-4ep`, `head-frozen-cosine-4ep`, `...-10ep`: more passes with cosine decay, 16 samples held out and
+- `cosine-4ep`, `cosine-10ep`, `head-frozen-cosine-4ep`, `...-10ep`: more passes with cosine decay, 16 samples held out and
   the export the best draft by expected acceptance on them (`train.validation_samples`), never by the
   held-out prompt sets.
 - `speculators-1ep`, `speculators-4ep`: the anchor, vLLM's own trainer (speculators 0.9.0, `make speculators`) on the
@@ -58,6 +58,7 @@ ARMS: dict[str, dict] = {
     "step-decay-1": {"step_decay": 1.0},  # speculators weighs the TTT steps' losses equally (ours: 0.8^i)
     "4ep": {"epochs": 4},  # the demo's recipe (constant lr): what cosine and the kept draft are measured against
     "cosine-4ep": {"epochs": 4, **COSINE, **VALIDATION},
+    "cosine-10ep": {"epochs": 10, **COSINE, **VALIDATION},
     "head-frozen-cosine-4ep": {"init": "target_head", "head": "frozen", "epochs": 4, **COSINE, **VALIDATION},
     "head-frozen-cosine-10ep": {"init": "target_head", "head": "frozen", "epochs": 10, **COSINE, **VALIDATION},
     # Eagle 3.1 (speculators' norm_before_fc and norm_output): served by vLLM only, so exported in its format
