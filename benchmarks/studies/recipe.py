@@ -7,6 +7,7 @@ training run on that extraction (`train.extract_key`, nothing deleted) that chan
   steps, random head): the selection study's `uniform-f32-1epoch` recipe, the default until now;
 - `head-target`: the head started from the target's rows, trained (`train.init: target_head`);
 - `head-frozen`: the head started from the target's rows and frozen (`train.head: frozen`), as speculators does;
+- `muon`: Muon on fc and the decoder layer's matrices, AdamW on the rest, as speculators does (ours: AdamW);
 - `step-decay-1`: the TTT steps' losses weighted equally, as speculators does (ours: 0.8^i);
 - `4ep`: 4 passes at the same constant lr (configs/demo.yaml's recipe);
 - `cosine-4ep`, `cosine-10ep`, `head-frozen-cosine-4ep`, `...-10ep`: more passes with cosine decay, 16 samples held out and
@@ -55,6 +56,7 @@ ARMS: dict[str, dict] = {
     "base": {},
     "head-target": {"init": "target_head"},
     "head-frozen": {"init": "target_head", "head": "frozen"},
+    "muon": {"optimizer": "muon"},  # speculators' optimizer: Muon on the hidden matrices, AdamW on the rest
     "step-decay-1": {"step_decay": 1.0},  # speculators weighs the TTT steps' losses equally (ours: 0.8^i)
     "4ep": {"epochs": 4},  # the demo's recipe (constant lr): what cosine and the kept draft are measured against
     "cosine-4ep": {"epochs": 4, **COSINE, **VALIDATION},

@@ -39,6 +39,9 @@ class TrainConfig(Strict):
     grad_accum: int = Field(default=1, ge=1, description="Micro-batches per optimizer step (per process).")
     lr: float = Field(default=1e-4, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
+    optimizer: Literal["adamw", "muon"] = Field(
+        default="adamw", description="muon: Muon (orthogonalized momentum) on fc and the decoder layer's matrices, "
+                                     "AdamW on norms and lm_head, at the same lr: speculators' default.")
     schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = Field(default=0, ge=0)
     total_steps: int | None = Field(default=None, ge=1, description="Cosine horizon in optimizer steps (default: every "

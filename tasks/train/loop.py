@@ -142,7 +142,7 @@ def run_training(config: TrainConfig, store: LineageStore, run_id: str, dist: Di
         init_head_from_target(draft, target_head, target_final_norm_weight(model))
     if config.head == "frozen":  # before the optimizer is made: it holds only what trains
         draft.lm_head.weight.requires_grad_(False)
-    optimizer = make_optimizer(draft, config.lr, config.weight_decay)
+    optimizer = make_optimizer(draft, config.lr, config.weight_decay, config.optimizer)
     schedule = Schedule(config.lr, config.schedule, config.warmup_steps, config.total_steps, config.min_lr_ratio)
     # What must not change under a resumed run (the split of micro-batches over processes may).
     run_identity = {"run_name": config.run_name, "mode": config.mode, "extract_key": ekey, "vocab_id": found["vocab_id"],
@@ -152,6 +152,8 @@ def run_training(config: TrainConfig, store: LineageStore, run_id: str, dist: Di
     # Added only when set, so that runs begun before these options existed still resume.
     if config.head != "trained":
         run_identity["head"] = config.head
+    if config.optimizer != "adamw":
+        run_identity["optimizer"] = config.optimizer
     if config.validation_samples:
         run_identity["validation_samples"] = config.validation_samples
     if dist.main:

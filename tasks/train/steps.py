@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from storage.datasets import write_folder_atomically
 from tasks.model.draft import Eagle3Draft
+from tasks.train.muon import Muon, OptimizerPair
 from tasks.train.ttt import Batch, counted_mask, teacher_argmax_in_draft, teacher_targets, ttt_loss
 
 CHECKPOINT_PREFIX = "step-"
@@ -240,10 +241,23 @@ def train_step(draft: Eagle3Draft, optimizer: torch.optim.Optimizer, micro: Sequ
         tokens=int(totals[1][0]), grad_norm=grad_norm, lr=lr)
 
 
-def make_optimizer(draft: Eagle3Draft, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    params = [p for p in draft.parameters() if p.requires_grad]
+def make_optimizer(draft: Eagle3Draft, lr: float, weight_decay: float,
+                   kind: str = "adamw") -> torch.optim.Optimizer | OptimizerPair:
+    """AdamW over every trained parameter, or (`muon`) Muon over the hidden matrices (fc, attention, MLP) and AdamW
+    over the rest (norms, lm_head), speculators' split: Muon is for matrices inside the network, not for a
+    vocabulary's rows."""
+    named = [(n, p) for n, p in draft.named_parameters() if p.requires_grad]
     # foreach=False: the per-parameter kernels give the same bits whatever the parameter grouping
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), foreach=False)
+    adamw = dict(lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), foreach=False)
+    if kind == "adamw":
+        return torch.optim.AdamW([p for _, p in named], **adamw)
+    if kind != "muon":
+        raise ValueError(f"unknown optimizer {kind!r} (adamw, muon)")
+    hidden = [p for n, p in named if p.ndim == 2 and min(p.shape) > 1 and not n.startswith(("lm_head", "embed_tokens"))]
+    ids = {id(p) for p in hidden}
+    rest = [p for _, p in named if id(p) not in ids]
+    return OptimizerPair([Muon(hidden, lr=lr, weight_decay=weight_decay)]
+                         + ([torch.optim.AdamW(rest, **adamw)] if rest else []))
 
 
 # ---------------------------------------------------------------- checkpoints
