@@ -1,12 +1,14 @@
 """Our EAGLE-3 draft served by vLLM's own EAGLE-3, against vLLM without speculation and vLLM's n-gram method.
 
 One run, one server at a time, on the same held-out chat prompts (a workspace's `heldout_chat`, rendered
-with the serving chat template, sent as token ids), greedy: vLLM alone, our draft at each k of
-`--ks`, vLLM's n-gram (prompt lookup) at `--ngram-k`; each at every concurrency of `--concurrency`;
-then vLLM alone again (a warning if the machine's speed changed meanwhile). Every output is checked
-against the baseline's ids (lossless), acceptance and acceptance by position come from vLLM's own
-per-request counters, and the break-even acceptance per k is measured from each config's verify
-round cost. The offline evaluator's acceptance for the same draft, prompts and k is read from the
+with the serving chat template, sent as token ids), greedy: vLLM alone, each draft at each k of
+`--ks`, vLLM's n-gram (prompt lookup) at each k of `--ngram-ks` and each window of `--prompt-lookup`; each at
+every concurrency of `--concurrency`; then vLLM alone again (a warning if the machine's speed changed
+meanwhile). `--passes 2` runs the whole sweep twice, one pass after the other (so a slow spell of the
+machine falls on every config of a pass, not on one config twice), and reports each pass and their mean.
+Every output is checked against the baseline's ids (lossless), acceptance and acceptance by position
+come from vLLM's own per-request counters, and the break-even acceptance per k is measured from each
+config's verify round cost. The offline evaluator's acceptance for the same draft, prompts and k is read from the
 scaling or selection study's results when the draft is one of their points, else measured here (`--offline`).
 
 The draft: a speculators export, or an SGLang export (the scaling study writes those), converted here
@@ -15,6 +17,10 @@ once into `<draft>-speculators` through the project's own export (serving/vllm/e
 Run (after `make install vllm`):
     .venv/bin/python -m benchmarks.vllm_serving --workspace runs/scaling --draft PATH [--ks 1 2 3 4]
         [--concurrency 1 4] [--prompts 32] [--max-new 64] [--dtype bfloat16] [--offline]
+The goal measurement (issue 42: both drafts and the n-gram each at its best k and window, quiet machine):
+    .venv/bin/python -m benchmarks.vllm_serving --workspace runs/selection/recipe-data --dtype float32 \\
+        --draft ours=EXPORT speculators=IMPORT --ks 1 2 3 --ngram-ks 1 2 3 --prompt-lookup 1:3 2:4 \\
+        --concurrency 1 --prompts 64 --passes 2 --offline
 Results: a table and the verdict on stdout, one JSON line appended to benchmarks/results/vllm_serving.jsonl,
 and a plot (PNG) beside it.
 """
@@ -69,12 +75,40 @@ def offline_from_study(draft: Path, k: int, max_new: int, prompts: int) -> float
     return None
 
 
+def named_drafts(specs: list[str]) -> dict[str, Path]:
+    """`--draft` values, `PATH` or `NAME=PATH`, by name ("" for a lone unnamed draft)."""
+    out: dict[str, Path] = {}
+    for spec in specs:
+        name, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
+        if name in out:
+            raise SystemExit(f"--draft {spec}: the name {name!r} is given twice")
+        out[name] = Path(path)
+    if len(out) > 1 and "" in out:
+        raise SystemExit("--draft: several drafts, so name each one, NAME=PATH")
+    return out
+
+
+def lookup_window(spec: str) -> tuple[int, int]:
+    """`--prompt-lookup` values, `MIN:MAX` (the shortest and longest context suffix vLLM's n-gram matches)."""
+    lo, sep, hi = spec.partition(":")
+    if not sep or not lo.isdigit() or not hi.isdigit():
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected MIN:MAX, e.g. 1:3")
+    return int(lo), int(hi)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workspace", type=Path, default=ROOT / "runs" / "scaling", help="its held-out chat prompts")
-    ap.add_argument("--draft", type=Path, required=True, help="the draft: a speculators or SGLang export folder")
+    ap.add_argument("--draft", nargs="+", required=True,
+                    help="the draft(s): a speculators or SGLang export folder, or NAME=FOLDER for each of several")
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4], help="draft tokens per verify round")
-    ap.add_argument("--ngram-k", type=int, default=3, help="vLLM's n-gram method's draft tokens (0: none)")
+    ap.add_argument("--ngram-ks", type=int, nargs="*", default=[3],
+                    help="vLLM's n-gram method's draft tokens, each a config (none or 0: no n-gram)")
+    ap.add_argument("--prompt-lookup", type=lookup_window, nargs="+", default=[(1, 3)],
+                    help="the n-gram's prompt-lookup windows MIN:MAX, each a config at every --ngram-ks")
+    ap.add_argument("--passes", type=int, default=1,
+                    help="run the whole sweep this many times, one after another (speeds on a CPU drift by ~8%%: "
+                         "each pass is reported, and their mean)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-new", type=int, default=64)
@@ -83,32 +117,37 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="without --enforce-eager (torch.compile; slow starts)")
     args = ap.parse_args()
 
-    from serving.bench.engines import VllmEngine, agreement, agreement_line, plot_engine_benchmark, run_engine_benchmark
+    from serving.bench.engines import (VllmEngine, agreement, agreement_line, mean_over_passes, plot_engine_benchmark,
+                                       run_engine_benchmark, verdict_lines, vllm_sweep_configs)
     from serving.vllm.extract_server import VllmEngineArgs
     from storage.lineage import LineageStore
     from tasks.evaluate.offline import prompts_for_benchmark
     from tasks.evaluate.heldout import heldout_set
     from tasks.model.target import load_configured_target, load_configured_target_files
 
+    given = named_drafts(args.draft)
     files = load_configured_target_files(None, None, dtype=args.dtype)
     model, tokenizer, identity = load_configured_target(None, None, dtype="float32", device="cpu")
     held = heldout_set(LineageStore(args.workspace / "lineage.duckdb").discover.heldout_prompts())
     if held is None:
         raise SystemExit(f"{args.workspace}: no held-out chat prompts (run discover there first)")
     prompts = [p.input_ids for p in prompts_for_benchmark(tokenizer, identity.chat_template, [held], args.prompts)]
-    draft = speculators_folder(args.draft, files.folder)
-    offline: dict[int, float] = {}
-    for k in args.ks:
-        value = offline_from_study(args.draft, k, args.max_new, len(prompts))
-        if value is None and args.offline:
-            value = measure_offline(model, tokenizer, identity.chat_template, draft, held, len(prompts), k, args.max_new)
-        if value is not None:
-            offline[k] = value
+    drafts = {name: speculators_folder(path, files.folder) for name, path in given.items()}
+    offline: dict[str, dict[int, float]] = {}
+    for name, path in given.items():
+        for k in args.ks:
+            value = offline_from_study(path, k, args.max_new, len(prompts))
+            if value is None and args.offline:
+                value = measure_offline(model, tokenizer, identity.chat_template, drafts[name], held, len(prompts), k,
+                                        args.max_new)
+            if value is not None:
+                offline.setdefault(name, {})[k] = value
     context = max(len(p) for p in prompts) + args.max_new + 16  # the longest prompt, its answer, k drafts
     engine = VllmEngine(VllmEngineArgs(model=files.folder, dtype=args.dtype, max_model_len=context,
                                        max_num_seqs=max(args.concurrency), enforce_eager=not args.compile))
-    print(f"vLLM ({args.dtype}) on {files.folder}: baseline, {draft} at k={args.ks}, n-gram k={args.ngram_k}; "
-          f"{len(prompts)} held-out chat prompts x {args.max_new} new tokens, concurrency {args.concurrency}; "
+    configs = vllm_sweep_configs(drafts, args.ks, [k for k in args.ngram_ks if k > 0], args.prompt_lookup)
+    print(f"vLLM ({args.dtype}) on {files.folder}: {', '.join(c.label for c in configs)}; {len(prompts)} held-out "
+          f"chat prompts x {args.max_new} new tokens, concurrency {args.concurrency}, {args.passes} pass(es); "
           f"load {load()}", flush=True)
     started = time.monotonic()
 
@@ -118,33 +157,55 @@ def main() -> None:
                   f"{lv.accept_length_token_weighted}, started in {report.startup_s or 0:.0f} s", flush=True)
 
     logs = ROOT / "runs" / "vllm-serving-logs"
-    bench = run_engine_benchmark(engine, prompts, draft=draft, draft_tokens=args.ks, ngram=args.ngram_k > 0,
-                                 ngram_k=max(args.ngram_k, 1), concurrency=args.concurrency,
-                                 max_new_tokens=args.max_new, log_dir=logs, on_config=progress)
-    rows = bench.rows()
+    by_pass = []
+    for i in range(args.passes):
+        print(f"pass {i + 1} of {args.passes}", flush=True)
+        bench = run_engine_benchmark(engine, prompts, configs=configs, concurrency=args.concurrency,
+                                     max_new_tokens=args.max_new, log_dir=logs, on_config=progress)
+        by_pass.append(bench.rows())
+        if args.passes > 1:
+            for line in bench.verdict():
+                print(f"  pass {i + 1}: {line}", flush=True)
+    rows = mean_over_passes(by_pass)
+    speeds = "tok/s" if args.passes == 1 else "tok/s (mean)"
     table(f"vLLM {rows[0]['server_build']} ({args.dtype}), greedy, {len(prompts)} held-out chat prompts x "
-          f"{args.max_new} new tokens; load {load()}",
-          ["config", "c", "tok/s", "vs baseline", "accept", "offline", "by position", "ms/round", "break-even",
-           "lossless"],
-          [[r["config"], r["concurrency"], r["output_tok_s"], f"{r['speedup_vs_baseline']:.3f}x",
-            r["acceptance"] or "-", offline.get(r["k"], "-") if r["drafter"] == "eagle3" else "-",
+          f"{args.max_new} new tokens, {args.passes} pass(es); load {load()}",
+          ["config", "c", speeds, "by pass", "vs baseline", "accept", "offline", "by position", "ms/round",
+           "break-even", "lossless"],
+          [[r["config"], r["concurrency"], r["output_tok_s"], "/".join(f"{x:.1f}" for x in r["output_tok_s_by_pass"]),
+            f"{r['speedup_vs_baseline']:.3f}x", r["acceptance"] or "-", _offline_cell(r, offline),
             "/".join(f"{x:.2f}" for x in r["accept_rate_by_position"] or []) or "-",
             r["ms_per_verify_round"] or "-", r["accept_needed"] or "-", r["lossless"] or "-"] for r in rows])
-    lines = bench.verdict() + [agreement_line(agreement(rows, k, offline.get(k)), k) for k in args.ks if k in offline]
+    lines = verdict_lines(rows)
+    for name, by_k in offline.items():
+        mine = [r for r in rows if r["drafter"] != "eagle3" or _is_draft(r, name)]
+        lines += [agreement_line(agreement(mine, k, v), k, f" ({name})" if name else "") for k, v in by_k.items()]
     for line in lines:
         print(line)
     png = RESULTS.parent / f"vllm-serving-{dt.date.today().isoformat()}.png"
-    plot_engine_benchmark(rows, png, offline=offline or None, title=f"vLLM {rows[0]['server_build']} ({args.dtype})")
+    plot_engine_benchmark(rows, png, offline=offline.get("") if len(drafts) == 1 else None,
+                          title=f"vLLM {rows[0]['server_build']} ({args.dtype})")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with open(RESULTS, "a") as f:
-        f.write(json.dumps({"recorded_at": dt.datetime.now(dt.timezone.utc).isoformat(), "draft": str(args.draft),
+        f.write(json.dumps({"recorded_at": dt.datetime.now(dt.timezone.utc).isoformat(),
+                            "drafts": {name: str(p) for name, p in given.items()},
                             "dtype": args.dtype, "compiled": args.compile, "prompts": len(prompts),
-                            "max_new_tokens": args.max_new,
-                            "offline": offline, "rows": rows, "verdict": lines,
+                            "max_new_tokens": args.max_new, "passes": args.passes,
+                            "offline": offline, "rows": rows, "rows_by_pass": by_pass, "verdict": lines,
                             "wall_s": round(time.monotonic() - started, 1)}) + "\n")
         f.flush()
         os.fsync(f.fileno())
     print(f"\n{RESULTS}\n{png}")
+
+
+def _is_draft(row: dict, name: str) -> bool:
+    return row["config"].startswith(f"eagle3-{name}-k" if name else "eagle3-k")
+
+
+def _offline_cell(row: dict, offline: dict[str, dict[int, float]]):
+    if row["drafter"] != "eagle3":
+        return "-"
+    return next((by_k.get(row["k"], "-") for name, by_k in offline.items() if _is_draft(row, name)), "-")
 
 
 def measure_offline(model, tokenizer, template, draft: Path, held, n: int, k: int, max_new: int) -> float | None:

@@ -18,7 +18,7 @@ import pytest
 
 from serving.bench.results import BaselineSpeculates, BenchmarkError, LevelResult, RequestMetrics, SpecMetricsMissing
 from serving.vllm.doctor_live import loaded_checks
-from serving.bench.engines import verdict_lines, vllm_engine_configs
+from serving.bench.engines import mean_over_passes, verdict_lines, vllm_engine_configs, vllm_sweep_configs
 from serving.bench.online import ServerConfig, vllm_completion
 from serving.vllm.extract_server import VllmEngineArgs
 from serving.vllm.server import LoadedDraft, VllmSpecServer, VllmSpeculation, read_loaded_draft
@@ -147,6 +147,48 @@ def test_the_verdict_compares_the_draft_with_the_engines_ngram():
                                "(eagle3-k1); 1.20x as fast as vLLM's ngram-k3.")
     assert "k=1 needs 1.12 (measured 1.35)" in lines[0]
     assert lines[1] == "concurrency 1: vLLM's ngram-k3: 1.00x the baseline, acceptance 1.10."
+
+
+def test_the_goal_sweep_serves_several_drafts_and_every_ngram_window(tmp_path):
+    """Issue 42's sweep: each draft at each k, the n-gram at each k and window; labels unique, flags per config."""
+    drafts = {"ours": tmp_path / "a", "speculators": tmp_path / "b"}
+    configs = vllm_sweep_configs(drafts, [1, 2], [1, 3], [(1, 3), (2, 4)])
+    assert [c.label for c in configs] == [
+        "baseline", "eagle3-ours-k1", "eagle3-ours-k2", "eagle3-speculators-k1", "eagle3-speculators-k2",
+        "ngram-k1", "ngram-k3", "ngram-k1-2:4", "ngram-k3-2:4"]
+    by = {c.label: c.speculation for c in configs}
+    assert by["eagle3-speculators-k2"].config()["model"] == str(drafts["speculators"].resolve())
+    assert by["ngram-k3-2:4"].config() == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+                                           "prompt_lookup_max": 4}
+    with pytest.raises(ValueError, match="twice"):
+        vllm_sweep_configs({}, [], [3, 3], [(1, 3)])
+
+
+def _row(config, drafter, k, tok_s, **extra):
+    return {"engine": "vllm", "config": config, "drafter": drafter, "k": k, "concurrency": 1, "output_tok_s": tok_s,
+            "speedup_vs_baseline": None, **extra}
+
+
+def test_two_passes_average_the_speeds_and_the_verdict_takes_each_draft_against_the_fastest_ngram():
+    one = [_row("baseline", "baseline", None, 40.0),
+           _row("eagle3-ours-k2", "eagle3", 2, 50.0, acceptance=1.5, lossless_identical=64, lossless_total=64, lossless="64/64 identical"),
+           _row("eagle3-theirs-k2", "eagle3", 2, 44.0, acceptance=1.3, lossless_identical=64, lossless_total=64, lossless="64/64 identical"),
+           _row("ngram-k3", "ngram", 3, 52.0, acceptance=1.4, lossless_identical=64, lossless_total=64, lossless="64/64 identical"),
+           _row("ngram-k3-2:4", "ngram", 3, 48.0, acceptance=1.3, lossless_identical=64, lossless_total=64, lossless="64/64 identical")]
+    two = [{**r, "output_tok_s": r["output_tok_s"] * 1.1} for r in one]
+    two[1] = {**two[1], "lossless_identical": 63, "lossless": "63/64 identical"}
+    rows = mean_over_passes([one, two])
+    by = {r["config"]: r for r in rows}
+    assert by["baseline"]["output_tok_s"] == 42.0 and by["baseline"]["output_tok_s_by_pass"] == [40.0, 44.0]
+    assert by["eagle3-ours-k2"]["speedup_vs_baseline"] == 1.25  # the ratio of the means, a drift shared by all
+    assert by["eagle3-ours-k2"]["lossless_identical"] == 63  # the worst pass, never the best
+    assert by["eagle3-ours-k2"]["lossless"] == "63/64 identical"
+    lines = verdict_lines(rows)
+    ours = next(line for line in lines if "(eagle3-ours)" in line)
+    assert "best 1.25x (eagle3-ours-k2); 0.96x as fast as vLLM's ngram-k3 (the fastest of its 2 n-gram" in ours
+    assert any("(eagle3-theirs)" in line and "best 1.10x" in line for line in lines)
+    with pytest.raises(ValueError, match="same configs"):
+        mean_over_passes([one, one[:-1]])
 
 
 # ---------------------------------------------------------------- a real vLLM

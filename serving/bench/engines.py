@@ -20,6 +20,7 @@ it (ServerDied, with its log).
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,11 +89,22 @@ def vllm_engine_configs(draft: Path | None, draft_tokens: Sequence[int], ngram: 
                         prompt_lookup: tuple[int, int] = (1, 3)) -> list[EngineConfig]:
     """vLLM: the baseline, our EAGLE-3 export (speculators format) at each K, then vLLM's n-gram method at `ngram_k`."""
     _check_sweep(draft, draft_tokens, "the draft's speculators export")
-    specs = [VllmSpeculation("eagle3", int(k), draft) for k in draft_tokens]
-    if ngram:
-        specs.append(VllmSpeculation("ngram", ngram_k, prompt_lookup_min=prompt_lookup[0],
-                                     prompt_lookup_max=prompt_lookup[1]))
-    return [EngineConfig(BASELINE)] + [EngineConfig(s.label, s) for s in specs]
+    return vllm_sweep_configs({"": draft} if draft is not None else {}, draft_tokens,
+                              [ngram_k] if ngram else [], [prompt_lookup])
+
+
+def vllm_sweep_configs(drafts: Mapping[str, Path], draft_tokens: Sequence[int], ngram_tokens: Sequence[int],
+                       prompt_lookups: Sequence[tuple[int, int]]) -> list[EngineConfig]:
+    """The baseline; each named draft (its speculators export; name "" for a lone draft) at each K; vLLM's n-gram
+    at each K and each prompt-lookup window (shortest:longest suffix matched). Labels are unique."""
+    specs = [VllmSpeculation("eagle3", int(k), path, name=name) for name, path in drafts.items() for k in draft_tokens]
+    specs += [VllmSpeculation("ngram", int(k), prompt_lookup_min=lo, prompt_lookup_max=hi)
+              for lo, hi in prompt_lookups for k in ngram_tokens]
+    configs = [EngineConfig(BASELINE)] + [EngineConfig(s.label, s) for s in specs]
+    labels = [c.label for c in configs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"the sweep names a config twice: {labels}")
+    return configs
 
 
 # ---------------------------------------------------------------- the engines
@@ -312,24 +324,34 @@ def verdict_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
             lines.append(f"WARNING: the baseline's greedy output differed between its two runs: {SERVER_NAMES[engine]} "
                          "is not deterministic here, and the lossless counts mean less")
     eagle = [r for r in rows if r.get("drafter") == "eagle3"]
+    drafts = list(dict.fromkeys(_draft_of(r) for r in eagle))  # several when one sweep serves several drafts
     for c in sorted({r["concurrency"] for r in eagle}):
-        at = sorted((r for r in eagle if r["concurrency"] == c), key=lambda r: r.get("k") or 0)
-        needs = ", ".join(f"k={r['k']} needs {_fmt(r.get('accept_needed'))} (measured {_fmt(r.get('acceptance'))})"
-                          for r in at)
-        best = max(at, key=lambda r: r.get("speedup_vs_baseline") or 0.0)
-        speedup = best.get("speedup_vs_baseline")
-        if speedup is None:
-            lines.append(f"concurrency {c}: break-even acceptance: {needs}.")
-            continue
-        word = "faster" if speedup > 1 else "slower"
-        ngram = [r for r in rows if r.get("drafter") not in ("eagle3", BASELINE) and r["concurrency"] == c
-                 and r.get("output_tok_s")]
-        # "as fast as": a bare "0.82x vLLM's ngram-k3" read as the n-gram's own speedup.
-        versus = "".join(f"; {best['output_tok_s'] / r['output_tok_s']:.2f}x as fast as {ENGINE_NAMES[engine]}'s "
-                         f"{r['config']}" for r in ngram)
-        lines.append(f"concurrency {c}: on {ENGINE_NAMES[engine]} the EAGLE-3 draft is {word} than the baseline: best "
-                     f"{speedup:.2f}x ({best['config']}){versus}. Break-even acceptance (verify round cost / baseline "
-                     f"time per token): {needs}.")
+        for draft in drafts:
+            at = sorted((r for r in eagle if r["concurrency"] == c and _draft_of(r) == draft),
+                        key=lambda r: r.get("k") or 0)
+            if not at:
+                continue
+            needs = ", ".join(f"k={r['k']} needs {_fmt(r.get('accept_needed'))} (measured {_fmt(r.get('acceptance'))})"
+                              for r in at)
+            best = max(at, key=lambda r: r.get("speedup_vs_baseline") or 0.0)
+            speedup = best.get("speedup_vs_baseline")
+            if speedup is None:
+                lines.append(f"concurrency {c}: break-even acceptance: {needs}.")
+                continue
+            word = "faster" if speedup > 1 else "slower"
+            ngram = [r for r in rows if r.get("drafter") not in ("eagle3", BASELINE) and r["concurrency"] == c
+                     and r.get("output_tok_s")]
+            versus = ""
+            if ngram:  # against the n-gram a user would pick: its fastest setting in this sweep
+                fastest = max(ngram, key=lambda r: r["output_tok_s"])
+                # "as fast as": a bare "0.82x vLLM's ngram-k3" read as the n-gram's own speedup.
+                versus = (f"; {best['output_tok_s'] / fastest['output_tok_s']:.2f}x as fast as {ENGINE_NAMES[engine]}'s "
+                          f"{fastest['config']}" + (f" (the fastest of its {len(ngram)} n-gram settings)"
+                                                    if len(ngram) > 1 else ""))
+            which = f" ({draft})" if len(drafts) > 1 else ""
+            lines.append(f"concurrency {c}: on {ENGINE_NAMES[engine]} the EAGLE-3 draft{which} is {word} than the "
+                         f"baseline: best {speedup:.2f}x ({best['config']}){versus}. Break-even acceptance (verify round "
+                         f"cost / baseline time per token): {needs}.")
     for r in rows:
         if r.get("drafter") not in ("eagle3", BASELINE) and r.get("speedup_vs_baseline") is not None:
             lines.append(f"concurrency {r['concurrency']}: {ENGINE_NAMES[engine]}'s {r['config']}: "
@@ -341,6 +363,40 @@ def verdict_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
                      + ", ".join(f"{r['config']} {r['lossless']}" for r in checks)
                      + ("" if not lossy else "  <- NOT LOSSLESS"))
     return lines
+
+
+def _draft_of(row: Mapping[str, Any]) -> str:
+    """Which draft an EAGLE-3 row serves: its label without the k (`eagle3-cosine-k2` -> `eagle3-cosine`)."""
+    return re.sub(r"-k\d+$", "", str(row["config"]))
+
+
+def mean_over_passes(passes: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per (config, concurrency) from several passes of the same sweep (EngineBenchResult.rows() each):
+    the speeds averaged, the speedup the ratio of the averaged speeds, each pass's speed kept
+    (`output_tok_s_by_pass`); the rest from the first pass. Acceptance and outputs are the same in every pass of a
+    greedy, lossless sweep; `lossless_identical` is the fewest identical of any pass."""
+    if not passes:
+        raise ValueError("no passes to average")
+    keys = [[(r["config"], r["concurrency"]) for r in rows] for rows in passes]
+    if any(k != keys[0] for k in keys):
+        raise ValueError("the passes did not measure the same configs at the same concurrencies")
+    base = {}
+    out = []
+    for i, first in enumerate(passes[0]):
+        speeds = [rows[i]["output_tok_s"] for rows in passes]
+        row = {**first, "output_tok_s": round(sum(speeds) / len(speeds), 2), "output_tok_s_by_pass": speeds,
+               "passes": len(passes)}
+        if first.get("lossless_identical") is not None:
+            row["lossless_identical"] = min(rows[i]["lossless_identical"] for rows in passes)
+            row["lossless"] = next(rows[i]["lossless"] for rows in passes
+                                   if rows[i]["lossless_identical"] == row["lossless_identical"])
+        if first.get("drafter") == BASELINE:
+            base[first["concurrency"]] = row["output_tok_s"]
+        out.append(row)
+    for row in out:
+        ref = base.get(row["concurrency"])
+        row["speedup_vs_baseline"] = round(row["output_tok_s"] / ref, 3) if ref else None
+    return out
 
 
 # ---------------------------------------------------------------- agreement with the offline evaluator
@@ -386,7 +442,7 @@ def run_engine_benchmark(engine: ServingEngine, prompts: Sequence[Sequence[int] 
                          draft_tokens: Sequence[int] = (1, 2, 3), ngram: NgramType | bool | None = "ngram-simple",
                          ngram_k: int = 3, concurrency: Sequence[int] | None = None, max_new_tokens: int = 64,
                          warmup: int = 1, log_dir: Path | None = None, timeout_s: float = 600.0,
-                         recheck_baseline: bool = True,
+                         recheck_baseline: bool = True, configs: Sequence[EngineConfig] | None = None,
                          on_config: Callable[[ConfigReport, OnlineBenchResult], None] | None = None,
                          check_server: Callable[[EngineConfig, ManagedServer], None] | None = None) -> EngineBenchResult:
     """Start each of `engine`'s servers in turn, measure it at every concurrency, stop it; compare.
@@ -398,7 +454,8 @@ def run_engine_benchmark(engine: ServingEngine, prompts: Sequence[Sequence[int] 
     another, so a machine that gets busier or quieter meanwhile skews every ratio: with
     `recheck_baseline` the baseline runs again at concurrency 1 at the end, and the verdict warns
     when the two runs differ by more than DRIFT_TOLERANCE. `on_config` is called after each server
-    with its report (lossless not yet filled in) and levels, e.g. to log progress.
+    with its report (lossless not yet filled in) and levels, e.g. to log progress. `configs` (the baseline
+    first) replaces the engine's own sweep, e.g. `vllm_sweep_configs` for several drafts and n-gram windows.
     """
     if not prompts:
         raise ValueError("the serving benchmark needs at least one prompt")
@@ -406,7 +463,9 @@ def run_engine_benchmark(engine: ServingEngine, prompts: Sequence[Sequence[int] 
     levels = tuple(dict.fromkeys(concurrency if concurrency else (1, parallel)))
     if 1 not in levels:
         raise ValueError(f"concurrency {list(levels)}: the lossless check needs concurrency 1")
-    configs = engine.configs(draft, draft_tokens, ngram, ngram_k)
+    configs = list(configs) if configs is not None else engine.configs(draft, draft_tokens, ngram, ngram_k)
+    if not configs or configs[0].speculation is not None:
+        raise ValueError("the configs start with the baseline (the target alone): every other is compared with it")
     results: list[OnlineBenchResult] = []
     reports: list[ConfigReport] = []
 

@@ -51,6 +51,7 @@ class VllmSpeculation:
     draft: Path | None = None  # the speculators-format export, for eagle3
     prompt_lookup_min: int = 1  # ngram: shortest suffix matched
     prompt_lookup_max: int = 3  # ngram: longest suffix matched
+    name: str = ""  # eagle3: which draft, in the label, when one benchmark serves several
 
     def __post_init__(self) -> None:
         if (self.method == "eagle3") != (self.draft is not None):
@@ -71,7 +72,11 @@ class VllmSpeculation:
 
     @property
     def label(self) -> str:
-        return f"{self.method}-k{self.num_speculative_tokens}"
+        """`eagle3-k3`, `eagle3-<name>-k3`; `ngram-k3`, or `ngram-k3-2:4` for a lookup window other than 1:3."""
+        name = f"-{self.name}" if self.name else ""
+        window = (self.prompt_lookup_min, self.prompt_lookup_max)
+        lookup = f"-{window[0]}:{window[1]}" if self.method == "ngram" and window != (1, 3) else ""
+        return f"{self.method}{name}-k{self.num_speculative_tokens}{lookup}"
 
 
 @dataclass(frozen=True)
