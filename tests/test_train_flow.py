@@ -133,10 +133,11 @@ def _final_weights(ws: Path) -> tuple[str, dict]:
     return last.name, load_file(last / MODEL_FILE)
 
 
-def test_kill_9_then_resume_equals_an_uninterrupted_run(extracted, tmp_path, tiny_target):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_kill_9_then_resume_equals_an_uninterrupted_run(extracted, tmp_path, tiny_target, optimizer):
     ws_a, ws_b = extracted, tmp_path / "copy"
     shutil.copytree(ws_a, ws_b)
-    cfg = train_config(ws_a, tiny_target, epochs=4, checkpoint_every=2)
+    cfg = train_config(ws_a, tiny_target, epochs=4, checkpoint_every=2, optimizer=optimizer)
     cmd = [sys.executable, "-m", "flows.cli", "train", "-c"]
     a = subprocess.run(cmd + [str(_cli_config(ws_a, cfg, tmp_path / "a.yaml"))], env=_env(), cwd=ROOT,
                        capture_output=True, text=True, timeout=600)
