@@ -185,3 +185,24 @@ def test_remeasure_adds_per_prompt_figures_to_a_recorded_point_once(tmp_path):
     st.done = scaling.load_results(results)
     st.remeasure(300)  # its draft is not on this machine
     assert measured == [str(export)]
+
+
+def test_acceptance_row_gives_each_drafter_and_domain_its_figures_and_prompts():
+    """One row builder for the scaling and recipe studies: acceptance, by position, prompts, per prompt."""
+    from benchmarks.studies.scaling_results import acceptance_row
+    from tasks.evaluate.decoding import RequestResult
+    from tasks.evaluate.report import AcceptanceReport
+
+    def req(drafter, domain, item, tokens, rounds, first):
+        return RequestResult(drafter, domain, item, 10, tokens, rounds, tokens - 1 - rounds, [first, 0], [rounds, 1],
+                             "length", [])
+
+    report = AcceptanceReport.build(2, 8, [
+        req("eagle3", "heldout_chat", "c1", 9, 6, 2), req("eagle3", "humaneval", "h1", 9, 4, 4),
+        req("prompt-lookup", "heldout_chat", "c1", 9, 8, 0)])
+    row = acceptance_row(report, {"eagle3": "eagle3", "lookup": "prompt-lookup", "final": "absent"})
+    assert row["eagle3_heldout_chat"] == 9 / 6 and row["eagle3_all"] == 18 / 10 and row["eagle3_all_requests"] == 2
+    assert row["eagle3_humaneval_pos"] == [1.0, 0.0]
+    assert row["eagle3_heldout_chat_per_request"] == {"c1": [9, 6]} and "eagle3_all_per_request" not in row
+    assert row["lookup_heldout_chat"] == 9 / 8 and "lookup_humaneval" not in row  # a domain it never decoded
+    assert not any(key.startswith("final_") for key in row)  # a drafter the report lacks adds nothing

@@ -44,11 +44,10 @@ from benchmarks.report import RESULTS, ROOT
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
-from benchmarks.studies.scaling_results import append_result, fmt, ratio_interval  # noqa: E402
+from benchmarks.studies.scaling_results import DOMAINS, acceptance_row, append_result, fmt, ratio_interval  # noqa: E402
 
 WORKSPACE = ROOT / "runs" / "selection" / "recipe-data"
 BASE_RUN = "recipe-data"  # the data arm's own training run: `base` at seed 0
-DOMAINS = ("heldout_chat", "humaneval")
 VALIDATION = {"validation_samples": 16, "validate_every": 50}
 COSINE = {"schedule": "cosine", "warmup_steps": 20, "min_lr_ratio": 0.1}
 # Each arm's changes to the data arm's train section (selection.yaml with recipe-data's overrides).
@@ -156,16 +155,9 @@ class Bench:
                                      paths=self.paths)
         if len(self.paths) > decoded:
             save_paths(self.paths_file, self.paths, self.kept_layers)
-        row: dict = {"lossless_checked": report.lossless_checked}
-        for d in drafters:
-            short = "eagle3" if d.name == "eagle3" else "lookup"
-            for dom in DOMAINS:
-                a = report.get(d.name, dom)
-                row[f"{short}_{dom}"] = a.acceptance_length_token_weighted
-                row[f"{short}_{dom}_pos"] = a.position_accept_rate
-                row[f"{short}_{dom}_per_request"] = {r.item_id: [r.completion_tokens, r.verify_rounds]
-                                                     for r in report.requests if r.drafter == d.name and r.domain == dom}
-        return row
+        short = {d.name: "eagle3" if d.name == "eagle3" else "lookup" for d in drafters}
+        return {"lossless_checked": report.lossless_checked,
+                **acceptance_row(report, {s: name for name, s in short.items()})}
 
     def decode_paths(self) -> int:
         """The target's greedy path of every prompt, decoded now and kept on disk (no drafter measured): run

@@ -67,7 +67,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 from benchmarks.studies.scaling_results import (  # noqa: E402  (the results file, its table and plot)
-    DOMAINS, MAIN, SCRATCH, append_result, fmt, load_results, missing_ks, point_key, write_report)
+    DOMAINS, MAIN, SCRATCH, acceptance_row, append_result, fmt, load_results, missing_ks, point_key, write_report)
 
 DEFAULT_SIZES = [25_000, 50_000, 100_000, 200_000, 400_000]
 DEFAULT_CONTROLS = [50_000, 200_000]
@@ -321,20 +321,8 @@ class Study:
             if k in self.measuring.lookup:
                 drafters = [d for d in drafters if d.name != DRAFTERS["lookup"]]
             report = evaluate_acceptance(model, prompts, drafters, k, self.max_new, stops, paths=self.measuring.paths)
-            row: dict = {"measure_s": time.monotonic() - t0, "lossless_checked": report.lossless_checked}
-            for short, name in DRAFTERS.items():
-                for dom in DOMAINS + ("all",):
-                    try:
-                        a = report.get(name, dom)
-                    except KeyError:
-                        continue
-                    row[f"{short}_{dom}"] = a.acceptance_length_token_weighted
-                    row[f"{short}_{dom}_pos"] = a.position_accept_rate
-                    row[f"{short}_{dom}_requests"] = a.requests
-                    if dom != "all":  # per prompt, for the report's bootstrap intervals (ratio_interval)
-                        row[f"{short}_{dom}_per_request"] = {
-                            r.item_id: [r.completion_tokens, r.verify_rounds] for r in report.requests
-                            if r.drafter == name and r.domain == dom}
+            row: dict = {"measure_s": time.monotonic() - t0, "lossless_checked": report.lossless_checked,
+                         **acceptance_row(report, DRAFTERS)}
             self.measuring.lookup.setdefault(k, {key: v for key, v in row.items() if key.startswith("lookup_")})
             out[k] = {**self.measuring.lookup[k], **row}
         return out

@@ -51,6 +51,27 @@ def append_result(path: Path, row: dict) -> None:
         os.fsync(f.fileno())
 
 
+def acceptance_row(report, drafters: dict[str, str]) -> dict:
+    """An offline report (tasks.evaluate.offline.OfflineReport) as a results row: for each drafter the report
+    has (`drafters`: the row's short name -> the drafter's name) and each domain (and "all"),
+    `<short>_<domain>` the token-weighted acceptance, `_pos` by position, `_requests`, and per domain
+    `_per_request` {prompt: [completion tokens, verify rounds]} for the bootstrap intervals (`ratio_interval`)."""
+    row: dict = {}
+    for short, name in drafters.items():
+        for dom in DOMAINS + ("all",):
+            try:
+                a = report.get(name, dom)
+            except KeyError:
+                continue
+            row[f"{short}_{dom}"] = a.acceptance_length_token_weighted
+            row[f"{short}_{dom}_pos"] = a.position_accept_rate
+            row[f"{short}_{dom}_requests"] = a.requests
+            if dom != "all":
+                row[f"{short}_{dom}_per_request"] = {r.item_id: [r.completion_tokens, r.verify_rounds]
+                                                     for r in report.requests if r.drafter == name and r.domain == dom}
+    return row
+
+
 def ratio_interval(num: dict[str, list[int]] | None, den: dict[str, list[int]] | None, draws: int = 2000,
                    level: float = 0.9, seed: int = 0) -> tuple[float, float] | None:
     """A paired bootstrap interval for one drafter's token-weighted acceptance length over another's, on the
