@@ -55,3 +55,17 @@ def test_the_report_reads_each_arm_against_base_and_lookup_on_the_same_prompts(t
     assert float(cells[3].split()[0]) > 1.1 and 1.1 < lo <= hi  # better on every prompt: the interval is above 1
     assert cells[6].startswith("1.000")  # HumanEval unchanged
     assert cells[8] == "400 (300)" and cells[9] == "1.50"
+
+
+def test_vocab_coverage_counts_the_outputs_a_vocab_can_produce():
+    """The vocab chosen as the pipeline chooses it (most frequent first, unseen ids filled by ascending id)."""
+    import numpy as np
+
+    from benchmarks.studies.vocab_coverage import answer_text, coverage
+
+    counts = np.array([0, 5, 0, 9, 1, 0, 0, 0])
+    outputs = {"chat": [3, 3, 1, 4], "code": [0, 2, 7, 3]}
+    assert coverage(counts, 2, outputs) == {"chat": 0.75, "code": 0.25}  # ids 3 and 1
+    assert coverage(counts, 4, outputs) == {"chat": 1.0, "code": 0.5}  # 3, 1, 4, then unseen id 0
+    assert answer_text('{"index": 0, "content": "hi"}') == "hi"
+    assert answer_text('{"choices": [{"message": {"content": "yo"}}]}') == "yo"
