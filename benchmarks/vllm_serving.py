@@ -183,7 +183,7 @@ def main() -> None:
     for line in lines:
         print(line)
     png = RESULTS.parent / f"vllm-serving-{dt.date.today().isoformat()}.png"
-    plot_engine_benchmark(rows, png, offline=offline.get("") if len(drafts) == 1 else None,
+    plot_engine_benchmark(rows, png, offline=next(iter(offline.values()), None) if len(drafts) == 1 else None,
                           title=f"vLLM {rows[0]['server_build']} ({args.dtype})")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with open(RESULTS, "a") as f:
