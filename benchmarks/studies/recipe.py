@@ -155,9 +155,8 @@ class Bench:
                                      paths=self.paths)
         if len(self.paths) > decoded:
             save_paths(self.paths_file, self.paths, self.kept_layers)
-        short = {d.name: "eagle3" if d.name == "eagle3" else "lookup" for d in drafters}
-        return {"lossless_checked": report.lossless_checked,
-                **acceptance_row(report, {s: name for name, s in short.items()})}
+        short = {("eagle3" if d.name == "eagle3" else "lookup"): d.name for d in drafters}
+        return {"lossless_checked": report.lossless_checked, **acceptance_row(report, short)}
 
     def decode_paths(self) -> int:
         """The target's greedy path of every prompt, decoded now and kept on disk (no drafter measured): run
