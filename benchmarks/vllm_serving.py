@@ -117,8 +117,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="without --enforce-eager (torch.compile; slow starts)")
     args = ap.parse_args()
 
-    from serving.bench.engines import (VllmEngine, agreement, agreement_line, mean_over_passes, plot_engine_benchmark,
-                                       run_engine_benchmark, verdict_lines, vllm_sweep_configs)
+    from serving.bench.engines import (VllmEngine, agreement, agreement_line, draft_of, mean_over_passes,
+                                       plot_engine_benchmark, run_engine_benchmark, verdict_lines, vllm_sweep_configs)
     from serving.vllm.extract_server import VllmEngineArgs
     from storage.lineage import LineageStore
     from tasks.evaluate.offline import prompts_for_benchmark
@@ -146,6 +146,11 @@ def main() -> None:
     engine = VllmEngine(VllmEngineArgs(model=files.folder, dtype=args.dtype, max_model_len=context,
                                        max_num_seqs=max(args.concurrency), enforce_eager=not args.compile))
     configs = vllm_sweep_configs(drafts, args.ks, [k for k in args.ngram_ks if k > 0], args.prompt_lookup)
+    # each EAGLE-3 row's draft name, from the labels the sweep gave its configs
+    draft_name = {draft_of(c.label): c.speculation.name for c in configs if c.drafter == "eagle3"}
+
+    def of(row: dict) -> str | None:
+        return draft_name.get(draft_of(row["config"])) if row["drafter"] == "eagle3" else None
     print(f"vLLM ({args.dtype}) on {files.folder}: {', '.join(c.label for c in configs)}; {len(prompts)} held-out "
           f"chat prompts x {args.max_new} new tokens, concurrency {args.concurrency}, {args.passes} pass(es); "
           f"load {load()}", flush=True)
@@ -173,12 +178,12 @@ def main() -> None:
           ["config", "c", speeds, "by pass", "vs baseline", "accept", "offline", "by position", "ms/round",
            "break-even", "lossless"],
           [[r["config"], r["concurrency"], r["output_tok_s"], "/".join(f"{x:.1f}" for x in r["output_tok_s_by_pass"]),
-            f"{r['speedup_vs_baseline']:.3f}x", r["acceptance"] or "-", _offline_cell(r, offline),
+            f"{r['speedup_vs_baseline']:.3f}x", r["acceptance"] or "-", offline.get(of(r), {}).get(r["k"], "-"),
             "/".join(f"{x:.2f}" for x in r["accept_rate_by_position"] or []) or "-",
             r["ms_per_verify_round"] or "-", r["accept_needed"] or "-", r["lossless"] or "-"] for r in rows])
     lines = verdict_lines(rows)
     for name, by_k in offline.items():
-        mine = [r for r in rows if r["drafter"] != "eagle3" or _is_draft(r, name)]
+        mine = [r for r in rows if r["drafter"] != "eagle3" or of(r) == name]
         lines += [agreement_line(agreement(mine, k, v), k, f" ({name})" if name else "") for k, v in by_k.items()]
     for line in lines:
         print(line)
@@ -196,16 +201,6 @@ def main() -> None:
         f.flush()
         os.fsync(f.fileno())
     print(f"\n{RESULTS}\n{png}")
-
-
-def _is_draft(row: dict, name: str) -> bool:
-    return row["config"].startswith(f"eagle3-{name}-k" if name else "eagle3-k")
-
-
-def _offline_cell(row: dict, offline: dict[str, dict[int, float]]):
-    if row["drafter"] != "eagle3":
-        return "-"
-    return next((by_k.get(row["k"], "-") for name, by_k in offline.items() if _is_draft(row, name)), "-")
 
 
 def measure_offline(model, tokenizer, template, draft: Path, held, n: int, k: int, max_new: int) -> float | None:

@@ -324,10 +324,10 @@ def verdict_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
             lines.append(f"WARNING: the baseline's greedy output differed between its two runs: {SERVER_NAMES[engine]} "
                          "is not deterministic here, and the lossless counts mean less")
     eagle = [r for r in rows if r.get("drafter") == "eagle3"]
-    drafts = list(dict.fromkeys(_draft_of(r) for r in eagle))  # several when one sweep serves several drafts
+    drafts = list(dict.fromkeys(draft_of(r["config"]) for r in eagle))  # several when one sweep serves several drafts
     for c in sorted({r["concurrency"] for r in eagle}):
         for draft in drafts:
-            at = sorted((r for r in eagle if r["concurrency"] == c and _draft_of(r) == draft),
+            at = sorted((r for r in eagle if r["concurrency"] == c and draft_of(r["config"]) == draft),
                         key=lambda r: r.get("k") or 0)
             if not at:
                 continue
@@ -365,9 +365,9 @@ def verdict_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
-def _draft_of(row: Mapping[str, Any]) -> str:
-    """Which draft an EAGLE-3 row serves: its label without the k (`eagle3-cosine-k2` -> `eagle3-cosine`)."""
-    return re.sub(r"-k\d+$", "", str(row["config"]))
+def draft_of(label: str) -> str:
+    """Which draft an EAGLE-3 config serves: its label without the k (`eagle3-cosine-k2` -> `eagle3-cosine`)."""
+    return re.sub(r"-k\d+$", "", label)
 
 
 def mean_over_passes(passes: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
