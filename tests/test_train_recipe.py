@@ -14,7 +14,7 @@ from flows.extract import extract
 from flows.train import train
 from storage.lineage import LineageStore
 from tasks.config import TrainConfig
-from tasks.train.steps import Item, MODEL_FILE, list_checkpoints
+from tasks.train.steps import Item, MODEL_FILE, Schedule, TrainState, list_checkpoints
 from tasks.train.validation import best_folders, expected_acceptance, split_validation
 
 from helpers import conversations, extract_config, import_generations
@@ -43,6 +43,21 @@ def test_eagle31_norms_export_only_where_they_are_served():
 
 def test_cosine_needs_no_horizon_any_more():
     assert TrainConfig(schedule="cosine").total_steps is None
+
+
+def test_a_cosine_cycle_restarted_at_a_later_step_warms_up_and_decays_as_the_first():
+    first = Schedule(1e-3, "cosine", warmup_steps=2, total_steps=10, min_lr_ratio=0.1)
+    later = Schedule(1e-3, "cosine", warmup_steps=2, total_steps=110, min_lr_ratio=0.1, start_step=100)
+    assert [later.lr_at(100 + s) for s in range(12)] == [first.lr_at(s) for s in range(12)]
+    assert first.lr_at(0) == pytest.approx(5e-4) and first.lr_at(10) == pytest.approx(1e-4)
+    assert Schedule(1e-3, "constant", warmup_steps=4, start_step=8).lr_at(9) == pytest.approx(5e-4)
+
+
+def test_a_checkpoint_from_before_per_round_cycles_resumes_its_cycle_from_step_0():
+    old = {"step": 7, "tokens": 70, "rounds_done": 0, "trained_shards": [], "position": None, "lr_horizon": 30}
+    state = TrainState.from_json(old)
+    assert (state.lr_start, state.lr_horizon) == (0, 30)
+    assert TrainState.from_json(TrainState(step=40, lr_start=31, lr_horizon=60).to_json()).lr_start == 31
 
 
 def test_expected_acceptance_is_the_bonus_token_plus_the_chain_of_accepted_steps():
@@ -148,6 +163,25 @@ def test_cosine_without_a_horizon_decays_over_the_runs_steps_and_bf16_autocast_t
     weights = load_file(list_checkpoints(ws / "checkpoints" / "t")[-1] / MODEL_FILE)
     assert all(w.dtype in (torch.float32, torch.int64, torch.bool) for w in weights.values())
     assert all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point())
+
+
+@pytest.mark.slow
+def test_without_a_horizon_each_round_gets_its_own_cosine_cycle(extracted, tiny_target, tmp_path):
+    ws = extracted
+    lr, warmup = 3e-3, 2
+    first = train(_config(ws, tiny_target, schedule="cosine", warmup_steps=warmup, min_lr_ratio=0.1, lr=lr, epochs=2))
+    import_generations(ws, tmp_path, conversations(8, seed=12), name="more")
+    assert extract(extract_config(ws, tiny_target, draft_vocab_size=256, shard_bytes=150_000)).extracted == 8
+    second = train(_config(ws, tiny_target, schedule="cosine", warmup_steps=warmup, min_lr_ratio=0.1, lr=lr, epochs=2))
+    assert second.rounds_done == 2 and second.resumed_from_step == first.step
+    rates = [m["lr"] for m in LineageStore(ws / "lineage.duckdb").training.metrics("t")]
+    assert len(rates) == second.step
+    for start, end in ((0, first.step), (first.step, second.step)):
+        cycle = rates[start:end]
+        assert cycle[0] == pytest.approx(lr / warmup) and cycle[1] == pytest.approx(lr)  # warms up again
+        assert all(a >= b for a, b in zip(cycle[1:], cycle[2:]))
+        span = len(cycle) - warmup
+        assert cycle[-1] == pytest.approx(lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (span - 1) / span))))
 
 
 @pytest.mark.slow

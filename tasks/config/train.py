@@ -44,8 +44,10 @@ class TrainConfig(Strict):
                                      "AdamW on norms and lm_head, at the same lr: speculators' default.")
     schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = Field(default=0, ge=0)
-    total_steps: int | None = Field(default=None, ge=1, description="Cosine horizon in optimizer steps (default: every "
-                                                                 "epoch of the first round this run trains).")
+    total_steps: int | None = Field(default=None, ge=1, description="Cosine horizon in optimizer steps over the whole "
+                                                                 "run. Default: one cycle per round (warmup, then decay "
+                                                                 "over all the round's epochs), so every round's export "
+                                                                 "is a decayed draft.")
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
     grad_clip: float = Field(default=0.5, gt=0)
     precision: Literal["fp32", "bf16"] = "fp32"

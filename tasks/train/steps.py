@@ -102,16 +102,19 @@ class Schedule:
     lr: float
     kind: str = "constant"  # constant | cosine
     warmup_steps: int = 0
-    total_steps: int | None = None
+    total_steps: int | None = None  # the cycle's end (exclusive), in the run's optimizer steps
     min_lr_ratio: float = 0.1
+    start_step: int = 0  # the cycle's first step: a cosine restarted for a later round warms up again from here
 
     def lr_at(self, step: int) -> float:
-        """The learning rate of optimizer step `step` (0-based): linear warmup, then constant or cosine."""
+        """The learning rate of optimizer step `step` (0-based, counted over the whole run): linear warmup from
+        `start_step`, then constant, or cosine down to `min_lr_ratio` at `total_steps`."""
+        step = max(step - self.start_step, 0)
         if self.warmup_steps and step < self.warmup_steps:
             return self.lr * (step + 1) / self.warmup_steps
         if self.kind == "constant":
             return self.lr
-        span = max((self.total_steps or 1) - self.warmup_steps, 1)
+        span = max((self.total_steps or 1) - self.start_step - self.warmup_steps, 1)
         progress = min(max(step - self.warmup_steps, 0) / span, 1.0)
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
@@ -280,7 +283,10 @@ class TrainState:
     rounds_done: int = 0
     trained_shards: list[str] = field(default_factory=list)  # shards of completed rounds
     position: DataPosition | None = None
-    lr_horizon: int | None = None  # a cosine schedule's last step, when the run chose it (train.total_steps unset)
+    # A cosine schedule the run chose itself (train.total_steps unset): the current round's cycle, from the step
+    # the round began at to the end of its last epoch. Checkpoints before per-round cycles lack lr_start: 0.
+    lr_horizon: int | None = None
+    lr_start: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -290,7 +296,7 @@ class TrainState:
         pos = d.get("position")
         return cls(step=d["step"], tokens=d["tokens"], rounds_done=d["rounds_done"],
                    trained_shards=list(d["trained_shards"]), position=DataPosition(**pos) if pos else None,
-                   lr_horizon=d.get("lr_horizon"))
+                   lr_horizon=d.get("lr_horizon"), lr_start=d.get("lr_start", 0))
 
 
 def checkpoint_dir(root: Path, step: int) -> Path:
