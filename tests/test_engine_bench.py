@@ -198,7 +198,8 @@ def test_configs_verdict_and_agreement_from_rows():
     with_ngram = [rows[0], {**rows[1], "output_tok_s": 60.0},
                   {"config": "ngram-simple-k3", "drafter": "ngram-simple", "k": 3, "concurrency": 1,
                    "speedup_vs_baseline": 1.2, "output_tok_s": 120.0, "acceptance": 1.3}]
-    assert "best 0.60x (eagle3-k1); 0.50x as fast as llama.cpp's ngram-simple-k3." in verdict_lines(with_ngram)[0]
+    assert ("best 0.60x (eagle3-k1); 0.50x as fast as llama.cpp's ngram-simple-k3; to match it eagle3-k1 needs "
+            "acceptance 3.00 (measured 1.50, 50% short).") in verdict_lines(with_ngram)[0]
     assert lines[-1].endswith("NOT LOSSLESS") and "eagle3-k3 5/6" in lines[-1]
     assert not any(line.startswith("WARNING") for line in lines)
     drifted = [{**rows[0], "output_tok_s": 100.0, "baseline_recheck_tok_s": 70.0, "baseline_recheck_identical": True},

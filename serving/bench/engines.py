@@ -348,6 +348,12 @@ def verdict_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
                 versus = (f"; {best['output_tok_s'] / fastest['output_tok_s']:.2f}x as fast as {ENGINE_NAMES[engine]}'s "
                           f"{fastest['config']}" + (f" (the fastest of its {len(ngram)} n-gram settings)"
                                                     if len(ngram) > 1 else ""))
+                if best["output_tok_s"] < fastest["output_tok_s"] and best.get("acceptance"):
+                    # At its measured cost per verify round (tokens per round / tokens per second), the
+                    # acceptance at which the draft's best config would serve as fast as the n-gram.
+                    needed = best["acceptance"] * fastest["output_tok_s"] / best["output_tok_s"]
+                    versus += (f"; to match it {best['config']} needs acceptance {needed:.2f} (measured "
+                               f"{best['acceptance']:.2f}, {1 - best['acceptance'] / needed:.0%} short)")
             which = f" ({draft})" if len(drafts) > 1 else ""
             lines.append(f"concurrency {c}: on {ENGINE_NAMES[engine]} the EAGLE-3 draft{which} is {word} than the "
                          f"baseline: best {speedup:.2f}x ({best['config']}){versus}. Break-even acceptance (verify round "
