@@ -166,14 +166,18 @@ def test_cosine_without_a_horizon_decays_over_the_runs_steps_and_bf16_autocast_t
 
 
 @pytest.mark.slow
-def test_without_a_horizon_each_round_gets_its_own_cosine_cycle(extracted, tiny_target, tmp_path):
+def test_without_a_horizon_each_round_gets_its_own_cosine_cycle_and_a_resumed_round_keeps_it(extracted, tiny_target, tmp_path):
     ws = extracted
     lr, warmup = 3e-3, 2
     first = train(_config(ws, tiny_target, schedule="cosine", warmup_steps=warmup, min_lr_ratio=0.1, lr=lr, epochs=2))
+    assert first.rounds_done == 1
     import_generations(ws, tmp_path, conversations(8, seed=12), name="more")
     assert extract(extract_config(ws, tiny_target, draft_vocab_size=256, shard_bytes=150_000)).extracted == 8
-    second = train(_config(ws, tiny_target, schedule="cosine", warmup_steps=warmup, min_lr_ratio=0.1, lr=lr, epochs=2))
-    assert second.rounds_done == 2 and second.resumed_from_step == first.step
+    cosine = {"schedule": "cosine", "warmup_steps": warmup, "min_lr_ratio": 0.1, "lr": lr, "epochs": 2}
+    stopped = train(_config(ws, tiny_target, max_steps=first.step + 3, **cosine))  # stopped inside round 1's cycle
+    assert stopped.stopped_by == "max_steps" and stopped.resumed_from_step == first.step
+    second = train(_config(ws, tiny_target, **cosine))  # resumes the cycle from its checkpoint
+    assert second.rounds_done == 2 and second.resumed_from_step == first.step + 3
     rates = [m["lr"] for m in LineageStore(ws / "lineage.duckdb").training.metrics("t")]
     assert len(rates) == second.step
     for start, end in ((0, first.step), (first.step, second.step)):
