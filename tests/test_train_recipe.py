@@ -96,6 +96,11 @@ def test_a_device_the_machine_lacks_is_refused_by_name():
 
 # ---------------------------------------------------------------- the train flow (slow)
 
+def _last_cosine_rate(lr: float, floor: float, span: int) -> float:
+    """The lr of a cosine's last step after warmup: one step of `span` short of the floor."""
+    return lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * (span - 1) / span)))
+
+
 def _config(ws, target, **kw) -> TrainConfig:
     base = {"workspace": str(ws), "run_name": "t", "target": {"model_path": str(target), "dtype": "float32",
             "device": "cpu"}, "ttt_steps": 3, "batch_tokens": 1024, "lr": 3e-3, "epochs": 2, "checkpoint_every": 3,
@@ -159,7 +164,7 @@ def test_cosine_without_a_horizon_decays_over_the_runs_steps_and_bf16_autocast_t
     assert all(a >= b for a, b in zip(rates[1:], rates[2:]))  # decays after the warmup
     # the last step is the horizon's last: one step short of the floor
     span = s.step - 2
-    assert rates[-1] == pytest.approx(lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (span - 1) / span))))
+    assert rates[-1] == pytest.approx(_last_cosine_rate(lr, 0.1, span))
     weights = load_file(list_checkpoints(ws / "checkpoints" / "t")[-1] / MODEL_FILE)
     assert all(w.dtype in (torch.float32, torch.int64, torch.bool) for w in weights.values())
     assert all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point())
@@ -169,11 +174,11 @@ def test_cosine_without_a_horizon_decays_over_the_runs_steps_and_bf16_autocast_t
 def test_without_a_horizon_each_round_gets_its_own_cosine_cycle_and_a_resumed_round_keeps_it(extracted, tiny_target, tmp_path):
     ws = extracted
     lr, warmup = 3e-3, 2
-    first = train(_config(ws, tiny_target, schedule="cosine", warmup_steps=warmup, min_lr_ratio=0.1, lr=lr, epochs=2))
+    cosine = {"schedule": "cosine", "warmup_steps": warmup, "min_lr_ratio": 0.1, "lr": lr, "epochs": 2}
+    first = train(_config(ws, tiny_target, **cosine))
     assert first.rounds_done == 1
     import_generations(ws, tmp_path, conversations(8, seed=12), name="more")
     assert extract(extract_config(ws, tiny_target, draft_vocab_size=256, shard_bytes=150_000)).extracted == 8
-    cosine = {"schedule": "cosine", "warmup_steps": warmup, "min_lr_ratio": 0.1, "lr": lr, "epochs": 2}
     stopped = train(_config(ws, tiny_target, max_steps=first.step + 3, **cosine))  # stopped inside round 1's cycle
     assert stopped.stopped_by == "max_steps" and stopped.resumed_from_step == first.step
     second = train(_config(ws, tiny_target, **cosine))  # resumes the cycle from its checkpoint
@@ -185,7 +190,7 @@ def test_without_a_horizon_each_round_gets_its_own_cosine_cycle_and_a_resumed_ro
         assert cycle[0] == pytest.approx(lr / warmup) and cycle[1] == pytest.approx(lr)  # warms up again
         assert all(a >= b for a, b in zip(cycle[1:], cycle[2:]))
         span = len(cycle) - warmup
-        assert cycle[-1] == pytest.approx(lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (span - 1) / span))))
+        assert cycle[-1] == pytest.approx(_last_cosine_rate(lr, 0.1, span))
 
 
 @pytest.mark.slow
