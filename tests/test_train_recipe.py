@@ -53,6 +53,17 @@ def test_a_cosine_cycle_restarted_at_a_later_step_warms_up_and_decays_as_the_fir
     assert Schedule(1e-3, "constant", warmup_steps=4, start_step=8).lr_at(9) == pytest.approx(5e-4)
 
 
+def test_a_linear_decay_falls_by_equal_steps_to_its_floor_at_the_horizon():
+    # speculators' schedule: warmup, then a straight line to 0 at the end of the cycle
+    linear = Schedule(1e-3, "linear", warmup_steps=2, total_steps=12, min_lr_ratio=0.0, start_step=2)
+    assert [linear.lr_at(s) for s in range(2, 4)] == pytest.approx([5e-4, 1e-3])
+    rates = [linear.lr_at(s) for s in range(4, 13)]
+    assert rates == pytest.approx([1e-3 * (8 - i) / 8 for i in range(9)])
+    assert linear.lr_at(20) == 0.0
+    cosine = Schedule(1e-3, "cosine", warmup_steps=2, total_steps=12, min_lr_ratio=0.0, start_step=2)
+    assert cosine.lr_at(6) > linear.lr_at(6) and cosine.lr_at(10) < linear.lr_at(10)  # the two shapes differ
+
+
 def test_a_checkpoint_from_before_per_round_cycles_resumes_its_cycle_from_step_0():
     old = {"step": 7, "tokens": 70, "rounds_done": 0, "trained_shards": [], "position": None, "lr_horizon": 30}
     state = TrainState.from_json(old)

@@ -9,6 +9,7 @@ training run on that extraction (`train.extract_key`, nothing deleted) that chan
 - `head-frozen`: the head started from the target's rows and frozen (`train.head: frozen`), as speculators does;
 - `muon`: Muon on fc and the decoder layer's matrices, AdamW on the rest, as speculators does (ours: AdamW);
 - `step-decay-1`: the TTT steps' losses weighted equally, as speculators does (ours: 0.8^i);
+- `wd-0.1`, `clip-1`, `linear`: speculators' weight decay, gradient clip and linear decay to 0, one at a time;
 - `4ep`: 4 passes at the same constant lr (configs/demo.yaml's recipe);
 - `cosine-4ep`, `cosine-10ep`, `head-frozen-cosine-4ep`, `...-10ep`: more passes with cosine decay, 16 samples held out and
   the export the best draft by expected acceptance on them (`train.validation_samples`), never by the
@@ -57,6 +58,10 @@ ARMS: dict[str, dict] = {
     "head-frozen": {"init": "target_head", "head": "frozen"},
     "muon": {"optimizer": "muon"},  # speculators' optimizer: Muon on the hidden matrices, AdamW on the rest
     "step-decay-1": {"step_decay": 1.0},  # speculators weighs the TTT steps' losses equally (ours: 0.8^i)
+    # speculators' remaining choices, one at a time against base (docs/results/2026-12-06-recipe-anchor.md)
+    "wd-0.1": {"weight_decay": 0.1},  # its decoupled weight decay on the matrices (ours: none)
+    "clip-1": {"grad_clip": 1.0},  # its gradient clip (ours: 0.5)
+    "linear": {"schedule": "linear", "min_lr_ratio": 0.0},  # its linear decay to 0 after warmup (ours: constant)
     "4ep": {"epochs": 4},  # the demo's recipe (constant lr): what cosine and the kept draft are measured against
     "cosine-4ep": {"epochs": 4, **COSINE, **VALIDATION},
     "cosine-10ep": {"epochs": 10, **COSINE, **VALIDATION},

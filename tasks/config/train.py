@@ -42,9 +42,11 @@ class TrainConfig(Strict):
     optimizer: Literal["adamw", "muon"] = Field(
         default="adamw", description="muon: Muon (orthogonalized momentum) on fc and the decoder layer's matrices, "
                                      "AdamW on norms and lm_head, at the same lr: speculators' default.")
-    schedule: Literal["constant", "cosine"] = "constant"
+    schedule: Literal["constant", "cosine", "linear"] = Field(
+        default="constant", description="After warmup: constant, or a decay to min_lr_ratio (cosine; linear, as "
+                                        "speculators does with a floor of 0).")
     warmup_steps: int = Field(default=0, ge=0)
-    total_steps: int | None = Field(default=None, ge=1, description="Cosine horizon in optimizer steps over the whole "
+    total_steps: int | None = Field(default=None, ge=1, description="Decay horizon in optimizer steps over the whole "
                                                                  "run. Default: one cycle per round (warmup, then decay "
                                                                  "over all the round's epochs), so every round's export "
                                                                  "is a decayed draft.")

@@ -231,8 +231,8 @@ def run_training(config: TrainConfig, store: LineageStore, run_id: str, dist: Di
                                              config.batch_tokens)
             validator = _validator(config, draft, val_batches, target_head, ckpt_root, pos.round_index, state,
                                    summary, dist, logger)
-        if config.schedule == "cosine" and config.total_steps is None:
-            # One cycle per round (warmup, then decay over all its epochs): each round's export is a decayed
+        if config.schedule != "constant" and config.total_steps is None:
+            # One cycle per round (warmup, then a cosine or linear decay over all its epochs): each round's export is a decayed
             # draft, and a round extracted later trains at full lr again rather than at the floor. The cycle
             # is kept in the checkpoints, so a resumed round keeps its own.
             if state.lr_horizon is None:
@@ -240,8 +240,8 @@ def run_training(config: TrainConfig, store: LineageStore, run_id: str, dist: Di
                 state.lr_horizon = state.step + sum(
                     step_groups(len(epoch_batches(items, config.seed, pos.round_index, e, config.batch_tokens)),
                                 dist.world_size, config.grad_accum) for e in range(pos.epoch, config.epochs))
-                logger.info("round %d: cosine schedule over optimizer steps %d-%d", pos.round_index, state.lr_start,
-                            state.lr_horizon)
+                logger.info("round %d: %s schedule over optimizer steps %d-%d", pos.round_index, config.schedule,
+                            state.lr_start, state.lr_horizon)
             schedule = dataclasses.replace(schedule, start_step=state.lr_start, total_steps=state.lr_horizon)
         stopped = _train_round(config, draft, optimizer, schedule, target_head, reader, items, state, dist, summary,
                                pending_metrics, checkpoint, progress if dist.main else None, logger, validator)

@@ -100,7 +100,7 @@ def micro_batch_index(step_in_epoch: int, accum_slot: int, rank: int, world_size
 @dataclass(frozen=True)
 class Schedule:
     lr: float
-    kind: str = "constant"  # constant | cosine
+    kind: str = "constant"  # constant | cosine | linear
     warmup_steps: int = 0
     total_steps: int | None = None  # the cycle's end (exclusive), in the run's optimizer steps
     min_lr_ratio: float = 0.1
@@ -108,7 +108,7 @@ class Schedule:
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step `step` (0-based, counted over the whole run): linear warmup from
-        `start_step`, then constant, or cosine down to `min_lr_ratio` at `total_steps`."""
+        `start_step`, then constant, or a cosine or linear decay down to `min_lr_ratio` at `total_steps`."""
         step = max(step - self.start_step, 0)
         if self.warmup_steps and step < self.warmup_steps:
             return self.lr * (step + 1) / self.warmup_steps
@@ -116,7 +116,8 @@ class Schedule:
             return self.lr
         span = max((self.total_steps or 1) - self.start_step - self.warmup_steps, 1)
         progress = min(max(step - self.warmup_steps, 0) / span, 1.0)
-        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+        left = 1 - progress if self.kind == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * left)
 
 
 # ---------------------------------------------------------------- the optimizer step
