@@ -8,6 +8,7 @@ training run on that extraction (`train.extract_key`, nothing deleted) that chan
 - `head-target`: the head started from the target's rows, trained (`train.init: target_head`);
 - `head-frozen`: the head started from the target's rows and frozen (`train.head: frozen`), as speculators does;
 - `muon`: Muon on fc and the decoder layer's matrices, AdamW on the rest, as speculators does (ours: AdamW);
+- `head-frozen-muon`: the frozen target head with Muon, the two together as speculators has them;
 - `step-decay-1`: the TTT steps' losses weighted equally, as speculators does (ours: 0.8^i);
 - `wd-0.1`, `clip-1`, `linear`: speculators' weight decay, gradient clip and linear decay to 0, one at a time;
 - `4ep`: 4 passes at the same constant lr (configs/demo.yaml's recipe);
@@ -57,6 +58,8 @@ ARMS: dict[str, dict] = {
     "head-target": {"init": "target_head"},
     "head-frozen": {"init": "target_head", "head": "frozen"},
     "muon": {"optimizer": "muon"},  # speculators' optimizer: Muon on the hidden matrices, AdamW on the rest
+    # speculators trains its frozen head with Muon: does the head cost ours only under AdamW?
+    "head-frozen-muon": {"init": "target_head", "head": "frozen", "optimizer": "muon"},
     "step-decay-1": {"step_decay": 1.0},  # speculators weighs the TTT steps' losses equally (ours: 0.8^i)
     # speculators' remaining choices, one at a time against base (docs/results/2026-12-06-recipe-anchor.md)
     "wd-0.1": {"weight_decay": 0.1},  # its decoupled weight decay on the matrices (ours: none)
