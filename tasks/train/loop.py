@@ -232,9 +232,9 @@ def run_training(config: TrainConfig, store: LineageStore, run_id: str, dist: Di
             validator = _validator(config, draft, val_batches, target_head, ckpt_root, pos.round_index, state,
                                    summary, dist, logger)
         if config.schedule != "constant" and config.total_steps is None:
-            # One cycle per round (warmup, then a cosine or linear decay over all its epochs): each round's export is a decayed
-            # draft, and a round extracted later trains at full lr again rather than at the floor. The cycle
-            # is kept in the checkpoints, so a resumed round keeps its own.
+            # One cycle per round (warmup, then a cosine or linear decay over all its epochs): each round's
+            # export is a decayed draft, and a round extracted later trains at full lr again rather than at
+            # the floor. The cycle is kept in the checkpoints, so a resumed round keeps its own.
             if state.lr_horizon is None:
                 state.lr_start = state.step
                 state.lr_horizon = state.step + sum(
