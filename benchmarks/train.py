@@ -311,7 +311,7 @@ def loss_pieces(s: Setup, device: torch.device) -> dict[str, Callable[[], None]]
     def ttt() -> None:
         clear()
         r = ttt_loss(stand_in, batch, steps=TTT_STEPS, decay=DECAY, teacher=teacher)  # type: ignore[arg-type]
-        ((r.step_loss * r.valid.to(r.step_loss.dtype)) * scale).sum().backward()  # as train_step
+        ((r.step_loss * r.trained.to(r.step_loss.dtype)) * scale).sum().backward()  # as train_step
 
     def hard() -> None:
         clear()

@@ -297,6 +297,40 @@ def test_positions_whose_target_argmax_is_outside_the_draft_vocab_are_masked(tin
     assert r.valid.tolist() == expected and all(e < t - 2 - i for i, e in enumerate(expected))
 
 
+def test_speculators_loss_positions_train_where_the_target_argmax_is_outside_the_draft_vocab(tiny):
+    """loss_positions="all": every loss-masked position trains, the non-draft argmax ones included, toward the
+    target's distribution over the draft vocab; the metrics still count only the positions a draft can win."""
+    draft = _draft(tiny)
+    head = target_head_weight(tiny).float()
+    outside = int((~draft.t2d).nonzero()[0])
+    torch.manual_seed(3)
+    t, u = 14, 6
+    final = 0.01 * torch.randn(t, H)
+    final[u] = 50 * head[outside] / head[outside].norm()
+    rec = Extracted(index=0, input_ids=torch.randint(0, V, (t,), dtype=torch.int32),
+                    loss_mask=torch.ones(t, dtype=torch.uint8), aux_hidden=torch.randn(t, 3 * H).bfloat16(),
+                    final_hidden=final.bfloat16())
+    b = collate([rec])
+    teacher = teacher_targets(b, draft, head)
+    assert not teacher.argmax_in_draft[0, u]
+    counted = ttt_loss(draft, b, steps=3, teacher=teacher)
+    every = ttt_loss(draft, b, steps=3, teacher=teacher, loss_positions="all")
+    assert every.trained.tolist() == [t - 2 - i for i in range(3)]  # token t+i+2 exists: every position
+    assert counted.trained.tolist() == counted.valid.tolist()
+    assert all(e > c for e, c in zip(every.trained.tolist(), counted.trained.tolist()))
+    for name in ("valid", "correct", "conditional_valid", "conditional_correct"):
+        assert getattr(every, name).tolist() == getattr(counted, name).tolist(), name
+    # The teacher at u now reaches the loss: another target distribution there, another loss.
+    final2 = final.clone()
+    final2[u] = 80 * head[outside] / head[outside].norm() + 0.5 * torch.randn(H)
+    b2 = collate([Extracted(**{**rec.__dict__, "final_hidden": final2.bfloat16()})])
+    t2 = teacher_targets(b2, draft, head)
+    assert not t2.argmax_in_draft[0, u]
+    assert not torch.equal(ttt_loss(draft, b2, steps=3, teacher=t2, loss_positions="all").loss, every.loss)
+    with pytest.raises(ValueError, match="loss_positions"):
+        ttt_loss(draft, b, steps=3, teacher=teacher, loss_positions="everywhere")  # type: ignore[arg-type]
+
+
 def test_topk_and_final_hidden_teachers_agree_when_k_is_the_draft_vocab(tiny):
     _, t2d = _vocab()
     samples = _samples(3, 12, 20, seed=7)

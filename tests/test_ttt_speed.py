@@ -108,9 +108,12 @@ def ref_ttt_loss(draft, batch, steps, decay, probs, in_draft):
     return (step_loss * torch.tensor(weights)).sum(), step_loss, torch.stack(sample_losses, 1), torch.stack(counts, 1)
 
 
-def ref_train_step(draft, optimizer, micro, *, ttt_steps, decay, target_head, lr, grad_clip):
+def ref_train_step(draft, optimizer, micro, *, ttt_steps, decay, target_head, lr, grad_clip, every_position=False):
+    """every_position: every loss-masked position counts (loss_positions="all"), not only the in-draft ones."""
     params = [p for p in draft.parameters() if p.requires_grad]
     teachers = [ref_teacher(b, draft, target_head) for b in micro]
+    if every_position:
+        teachers = [(probs, b.attention_mask.clone()) for b, (probs, _) in zip(micro, teachers)]
     counts = torch.zeros(ttt_steps, dtype=torch.float64)
     for b, (probs, flags) in zip(micro, teachers):
         for i in range(ttt_steps):
@@ -315,6 +318,29 @@ def test_weights_after_training_steps_equal_the_reference(smol_setup, monkeypatc
         off += int(((got[name].float() - want[name].float()).abs() > 1e-6).sum())
         total += got[name].numel()
     assert off <= 1e-5 * total, (off, total)
+
+
+def test_loss_positions_all_trains_as_the_reference_with_every_position_counted(smol_setup):
+    """train_step with loss_positions="all" (speculators' loss): the weights after two steps are the reference's
+    with every loss-masked position counted; the first step's metrics still count only the positions whose target
+    argmax is a draft token, so they equal the default's on the same weights."""
+    records, _, _, head, _ = smol_setup
+    micro = [collate(records[:2]), collate(records[2:])]
+    new, ref, default = _draft(smol_setup, 9), _draft(smol_setup, 9), _draft(smol_setup, 9)
+    opt_new, opt_ref, opt_default = (make_optimizer(d, 3e-3, 0.0) for d in (new, ref, default))
+    kw = dict(ttt_steps=3, decay=0.8, target_head=head, lr=3e-3, grad_clip=0.5)
+    first = [train_step(new, opt_new, micro, None, loss_positions="all", **kw),
+             train_step(default, opt_default, micro, None, **kw)]
+    train_step(new, opt_new, micro, None, loss_positions="all", **kw)
+    for _ in range(2):
+        ref_train_step(ref, opt_ref, micro, every_position=True, **kw)
+    every, counted = first
+    assert every.tokens == sum(int(shift_left(b.loss_mask, 2, False).sum()) for b in micro) > counted.tokens
+    assert every.loss != counted.loss
+    assert every.accuracy == pytest.approx(counted.accuracy, abs=1e-3)
+    assert every.conditional_accuracy == pytest.approx(counted.conditional_accuracy, abs=1e-3)
+    for name, x in new.state_dict().items():
+        torch.testing.assert_close(x, ref.state_dict()[name], rtol=0, atol=0.01 * 3e-3, msg=lambda m: f"{name}: {m}")
 
 
 def test_a_step_with_only_empty_slots_changes_nothing_but_takes_part(smol_setup):

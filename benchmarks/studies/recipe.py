@@ -11,6 +11,11 @@ training run on that extraction (`train.extract_key`, nothing deleted) that chan
 - `head-frozen-muon`: the frozen target head with Muon, the two together as speculators has them;
 - `step-decay-1`: the TTT steps' losses weighted equally, as speculators does (ours: 0.8^i);
 - `wd-0.1`, `clip-1`, `linear`: speculators' weight decay, gradient clip and linear decay to 0, one at a time;
+- `loss-all`: speculators' loss positions: every loss-masked position trains, those whose target argmax is outside
+  the draft vocab included (ours skips them);
+- `speculators-in-ours`: all of speculators' choices that our trainer has, at once (its frozen head, Muon, norms,
+  equal step weights, weight decay, clip, linear decay after a 1% warmup, loss positions): what is left between it
+  and `speculators-1ep` is what our trainer cannot set (its packing, its optimizer's details);
 - `4ep`: 4 passes at the same constant lr (configs/demo.yaml's recipe);
 - `cosine-4ep`, `cosine-10ep`, `head-frozen-cosine-4ep`, `...-10ep`: more passes with cosine decay, 16 samples held out and
   the export the best draft by expected acceptance on them (`train.validation_samples`), never by the
@@ -65,6 +70,11 @@ ARMS: dict[str, dict] = {
     "wd-0.1": {"weight_decay": 0.1},  # its decoupled weight decay on the matrices (ours: none)
     "clip-1": {"grad_clip": 1.0},  # its gradient clip (ours: 0.5)
     "linear": {"schedule": "linear", "min_lr_ratio": 0.0},  # its linear decay to 0 after warmup (ours: constant)
+    "loss-all": {"loss_positions": "all"},  # its loss at every position, non-draft argmax too (ours: draft argmax only)
+    "speculators-in-ours": {"init": "target_head", "head": "frozen", "optimizer": "muon", "norm_before_fc": True,
+                            "norm_output": True, "export_formats": ["speculators"], "step_decay": 1.0,
+                            "weight_decay": 0.1, "grad_clip": 1.0, "schedule": "linear", "min_lr_ratio": 0.0,
+                            "warmup_steps": 3, "loss_positions": "all"},
     "4ep": {"epochs": 4},  # the demo's recipe (constant lr): what cosine and the kept draft are measured against
     "cosine-4ep": {"epochs": 4, **COSINE, **VALIDATION},
     "cosine-10ep": {"epochs": 10, **COSINE, **VALIDATION},

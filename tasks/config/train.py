@@ -34,6 +34,12 @@ class TrainConfig(Strict):
     norm_output: bool = Field(default=False, description="Eagle 3.1: each draft step hands the next its normed output, "
                                                          "not the raw one. Served by vLLM only.")
     step_decay: float = Field(default=0.8, gt=0, le=1)
+    loss_positions: Literal["argmax_in_draft", "all"] = Field(
+        default="argmax_in_draft", description="Where the loss trains: at the positions whose target argmax is a draft "
+                                               "token (elsewhere no draft token can be accepted), or at all "
+                                               "loss-masked positions toward the target's distribution renormalised "
+                                               "over the draft vocab (speculators'). The metrics and validation count "
+                                               "the first kind either way.")
     epochs: int = Field(default=1, ge=1, description="Passes over each round's shards.")
     batch_tokens: int = Field(default=8192, ge=16, description="Padded tokens per micro-batch.")
     grad_accum: int = Field(default=1, ge=1, description="Micro-batches per optimizer step (per process).")

@@ -154,6 +154,8 @@ def run_training(config: TrainConfig, store: LineageStore, run_id: str, dist: Di
         run_identity["head"] = config.head
     if config.optimizer != "adamw":
         run_identity["optimizer"] = config.optimizer
+    if config.loss_positions != "argmax_in_draft":
+        run_identity["loss_positions"] = config.loss_positions
     if config.validation_samples:
         run_identity["validation_samples"] = config.validation_samples
     if dist.main:
@@ -343,7 +345,8 @@ def _train_round(config: TrainConfig, draft: Eagle3Draft, optimizer, schedule: S
                 # An empty slot adds nothing; under torchrun every process still joins the reductions.
                 m = train_step(draft, optimizer, micro, None, ttt_steps=config.ttt_steps, decay=config.step_decay,
                                target_head=target_head, lr=schedule.lr_at(state.step), grad_clip=config.grad_clip,
-                               precision=config.precision, all_reduce=all_reduce)
+                               precision=config.precision, all_reduce=all_reduce,
+                               loss_positions=config.loss_positions)
                 state.step += 1
                 state.tokens += m.tokens
                 pos.step_in_epoch = s + 1

@@ -30,7 +30,8 @@ from safetensors.torch import load_file, save_file
 from storage.datasets import write_folder_atomically
 from tasks.model.draft import Eagle3Draft
 from tasks.train.muon import Muon, OptimizerPair
-from tasks.train.ttt import Batch, counted_mask, teacher_argmax_in_draft, teacher_targets, ttt_loss
+from tasks.train.ttt import (Batch, LossPositions, counted_mask, loss_flags, teacher_argmax_in_draft,
+                             teacher_targets, ttt_loss)
 
 CHECKPOINT_PREFIX = "step-"
 MODEL_FILE = "model.safetensors"
@@ -129,7 +130,7 @@ class StepMetrics:
     step_loss: list[float]
     accuracy: list[float]
     conditional_accuracy: list[float]
-    tokens: int          # counted positions at step 0 (loss-masked tokens trained on)
+    tokens: int          # trained positions at step 0 (loss-masked tokens trained on)
     grad_norm: float
     lr: float
 
@@ -164,10 +165,11 @@ def unpadded_pieces(batch: Batch, flags: torch.Tensor) -> list[tuple[Batch, torc
 def train_step(draft: Eagle3Draft, optimizer: torch.optim.Optimizer, micro: Sequence[Batch | None],
                fallback: Batch | None = None, *, ttt_steps: int, decay: float, target_head: torch.Tensor | None,
                lr: float, grad_clip: float, precision: str = "fp32",
-               all_reduce: Callable[[torch.Tensor], None] | None = None) -> StepMetrics:
+               all_reduce: Callable[[torch.Tensor], None] | None = None,
+               loss_positions: LossPositions = "argmax_in_draft") -> StepMetrics:
     """One optimizer step over this process's micro-batches (None: no batch in this slot).
 
-    Every step of TTT is normalised by the count of its counted positions over *all* micro-batches
+    Every step of TTT is normalised by the count of its trained positions over *all* micro-batches
     of all processes, so the summed gradient is the gradient of one big batch. A None slot adds
     nothing (its gradient is zero; `fallback` is accepted for older callers and not run), and every
     process makes the same collective calls whatever its slots hold.
@@ -196,13 +198,15 @@ def train_step(draft: Eagle3Draft, optimizer: torch.optim.Optimizer, micro: Sequ
         else:
             flag = teacher_argmax_in_draft(b, draft, target_head, trained_only=True)
         flags.append(flag)
+        trained = loss_flags(flag, b.attention_mask, loss_positions)
         for i in range(ttt_steps):
-            counts[i] += float(counted_mask(b.loss_mask, flag, i).sum())
+            counts[i] += float(counted_mask(b.loss_mask, trained, i).sum())
     if all_reduce is not None:
         all_reduce(counts)
     weights = torch.tensor([decay ** i for i in range(ttt_steps)], dtype=torch.float64)
     scale = (weights / counts.clamp_min(1)).float().to(device)
-    totals = torch.zeros(5, ttt_steps, dtype=torch.float64)  # loss sums, valid, correct, cond valid, cond correct
+    # loss sums, trained, valid, correct, cond valid, cond correct
+    totals = torch.zeros(6, ttt_steps, dtype=torch.float64)
     optimizer.zero_grad(set_to_none=False)
     for j, b in enumerate(batches):
         if b is None:
@@ -215,12 +219,14 @@ def train_step(draft: Eagle3Draft, optimizer: torch.optim.Optimizer, micro: Sequ
                 t = teacher_targets(piece, draft, target_head, trained_only=True, argmax_in_draft=flag)
             autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
             with autocast:
-                r = ttt_loss(draft, piece, steps=ttt_steps, decay=decay, teacher=t)  # type: ignore[arg-type]
+                r = ttt_loss(draft, piece, steps=ttt_steps, decay=decay, teacher=t,  # type: ignore[arg-type]
+                             loss_positions=loss_positions)
             del t
-            sums = r.step_loss * r.valid.to(r.step_loss.dtype)  # per-step sums of soft cross entropy
+            sums = r.step_loss * r.trained.to(r.step_loss.dtype)  # per-step sums of soft cross entropy
             (sums * scale).sum().backward()
-            totals += torch.stack([sums.detach().double().cpu(), r.valid.double().cpu(), r.correct.double().cpu(),
-                                   r.conditional_valid.double().cpu(), r.conditional_correct.double().cpu()])
+            totals += torch.stack([sums.detach().double().cpu(), r.trained.double().cpu(), r.valid.double().cpu(),
+                                   r.correct.double().cpu(), r.conditional_valid.double().cpu(),
+                                   r.conditional_correct.double().cpu()])
     for p in params:  # a process whose slots were all empty still takes part in the reduction
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -237,12 +243,13 @@ def train_step(draft: Eagle3Draft, optimizer: torch.optim.Optimizer, micro: Sequ
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
-    step_loss = (totals[0] / totals[1].clamp_min(1)).tolist()
+    loss_sums, trained_n, valid, correct, cond_valid, cond_correct = totals
     return StepMetrics(
-        loss=float((weights * totals[0] / totals[1].clamp_min(1)).sum()), step_loss=step_loss,
-        accuracy=(totals[2] / totals[1].clamp_min(1)).tolist(),
-        conditional_accuracy=(totals[4] / totals[3].clamp_min(1)).tolist(),
-        tokens=int(totals[1][0]), grad_norm=grad_norm, lr=lr)
+        loss=float((weights * loss_sums / trained_n.clamp_min(1)).sum()),
+        step_loss=(loss_sums / trained_n.clamp_min(1)).tolist(),
+        accuracy=(correct / valid.clamp_min(1)).tolist(),
+        conditional_accuracy=(cond_correct / cond_valid.clamp_min(1)).tolist(),
+        tokens=int(trained_n[0]), grad_norm=grad_norm, lr=lr)
 
 
 def make_optimizer(draft: Eagle3Draft, lr: float, weight_decay: float,

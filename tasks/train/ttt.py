@@ -7,17 +7,21 @@ predict acceptance). The alignment it trains (which token and teacher each TTT s
 position reads and predicts) is stated once, in tasks/model/draft.py's docstring; the model lives
 there too.
 
-Promises: the loss is forward KL as soft cross entropy over the draft vocab, mean over counted
+Promises: the loss is forward KL as soft cross entropy over the draft vocab, mean over trained
 positions per step, steps weighted decay**i; the teacher is float32; the teacher, the head and
-the soft cross entropy are computed only at counted positions (the same numbers as over all
-positions, masked); conditional accuracy at step i counts a position only when steps < i were
-counted and right there (tests/test_ttt_metrics.py replays a verifier against it).
+the soft cross entropy are computed only at trained positions (the same numbers as over all
+positions, masked). Trained positions are the counted ones (the target's argmax is a draft token)
+or, with `loss_positions="all"` (speculators' choice), every loss-masked one; the metrics always
+count only the counted positions, where a draft token can be accepted. Conditional accuracy at
+step i counts a position only when steps < i were counted and right there
+(tests/test_ttt_metrics.py replays a verifier against it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -284,9 +288,10 @@ class TTTResult:
     """Per-step numbers of one batch. Counts let a trainer aggregate over batches (sum, then divide)."""
 
     loss: torch.Tensor                 # scalar, sum_i decay**i * step_loss[i]; differentiable
-    step_loss: torch.Tensor            # [k] mean soft cross entropy over counted positions; differentiable
-    sample_loss: torch.Tensor          # [B, k] the same per sample (0 where a sample has no counted position)
-    valid: torch.Tensor                # int64 [k] counted positions
+    step_loss: torch.Tensor            # [k] mean soft cross entropy over trained positions; differentiable
+    sample_loss: torch.Tensor          # [B, k] the same per sample (0 where a sample has no trained position)
+    trained: torch.Tensor              # int64 [k] trained positions (the loss's denominator)
+    valid: torch.Tensor                # int64 [k] counted positions (the metrics' denominator)
     correct: torch.Tensor              # int64 [k] counted positions where draft argmax == teacher argmax
     conditional_valid: torch.Tensor    # int64 [k] counted positions whose steps < i were all counted and correct
     conditional_correct: torch.Tensor  # int64 [k] those that are correct at step i too
@@ -300,6 +305,22 @@ class TTTResult:
     def conditional_accuracy(self) -> torch.Tensor:
         """Step i correct given steps < i correct at that position: what predicts acceptance."""
         return self.conditional_correct.double() / self.conditional_valid.clamp_min(1).double()
+
+
+# Which teacher positions the loss trains on: those whose target argmax is a draft token (ours: elsewhere the
+# draft can never be accepted), or every loss-masked position toward the target's distribution renormalised over the
+# draft vocab (speculators').
+LossPositions = Literal["argmax_in_draft", "all"]
+
+
+def loss_flags(argmax_in_draft: torch.Tensor, attention_mask: torch.Tensor,
+               loss_positions: LossPositions = "argmax_in_draft") -> torch.Tensor:
+    """bool [B, T]: the teacher positions the loss may train on (`counted_mask`'s second argument)."""
+    if loss_positions == "argmax_in_draft":
+        return argmax_in_draft
+    if loss_positions == "all":
+        return attention_mask.to(argmax_in_draft.device).bool()
+    raise ValueError(f"unknown loss_positions {loss_positions!r} (argmax_in_draft, all)")
 
 
 def counted_mask(loss_mask: torch.Tensor, argmax_in_draft: torch.Tensor, step: int) -> torch.Tensor:
@@ -324,11 +345,13 @@ def step_valid_mask(batch: Batch, teacher: TeacherTargets, step: int) -> torch.T
 
 
 def ttt_loss(draft: Eagle3Draft, batch: Batch, steps: int = DEFAULT_TTT_STEPS, decay: float = DEFAULT_STEP_DECAY,
-             target_head: torch.Tensor | None = None, teacher: TeacherTargets | None = None) -> TTTResult:
+             target_head: torch.Tensor | None = None, teacher: TeacherTargets | None = None,
+             loss_positions: LossPositions = "argmax_in_draft") -> TTTResult:
     """Unroll `steps` TTT steps on `batch` and return the weighted loss and per-step metrics.
 
-    Each step's norm, lm_head and soft cross entropy run on its counted positions only (the others
-    reach neither the loss nor the metrics, and no later position reads a step's logits).
+    Each step's norm, lm_head and soft cross entropy run on its trained positions only (the others
+    reach neither the loss nor the metrics, and no later position reads a step's logits); the
+    metrics count the counted positions among them.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -342,24 +365,28 @@ def ttt_loss(draft: Eagle3Draft, batch: Batch, steps: int = DEFAULT_TTT_STEPS, d
     target = teacher.teacher_argmax()
     weights = tuple(decay ** i for i in range(steps))
     step_losses, sample_losses = [], []
-    valid_n, correct_n, cvalid_n, ccorrect_n = [], [], [], []
+    valid_n, correct_n, cvalid_n, ccorrect_n, trained_n = [], [], [], [], []
+    flags = loss_flags(teacher.argmax_in_draft, batch.attention_mask, loss_positions)
     chain_ok = torch.ones_like(batch.attention_mask, dtype=torch.bool)  # steps < i all counted and correct
     for i, hidden in enumerate(draft.hidden_steps(batch.aux_hidden, batch.input_ids, batch.attention_mask, steps)):
         valid = step_valid_mask(batch, teacher, i)
-        bi, ti = valid.nonzero(as_tuple=True)  # counted positions: token t+i+2 exists, so t+i+1 < T
+        trained = valid if flags is teacher.argmax_in_draft else counted_mask(batch.loss_mask, flags, i)
+        bi, ti = trained.nonzero(as_tuple=True)  # trained positions: token t+i+2 exists, so t+i+1 < T
         logits = draft.lm_head(draft.norm(hidden[bi, ti]))  # [N, draft_vocab]
         if rows is not None:
             ce = _SoftCrossEntropy.apply(logits, rows.view(-1, rows.shape[-1]), bi * width + ti + i + 1)
         else:
             ce = _SoftCrossEntropy.apply(logits, teacher.probs.reshape(-1, teacher.probs.shape[-1]),
                                          bi * t + ti + i + 1)
-        per_sample_n = valid.sum(1)
+        per_sample_n = trained.sum(1)
         sample_losses.append(torch.zeros(b, dtype=ce.dtype, device=device).index_add(0, bi, ce)
                              / per_sample_n.clamp_min(1))
         step_losses.append(ce.sum() / per_sample_n.sum().clamp_min(1))
+        trained_n.append(per_sample_n.sum())
         with torch.no_grad():
             right = torch.zeros_like(valid)
             right[bi, ti] = logits.argmax(-1) == target[bi, ti + i + 1]
+            right &= valid  # a position whose target argmax is no draft token is never right
             cond = chain_ok & valid
             valid_n.append(valid.sum())
             correct_n.append(right.sum())
@@ -368,6 +395,7 @@ def ttt_loss(draft: Eagle3Draft, batch: Batch, steps: int = DEFAULT_TTT_STEPS, d
             chain_ok = cond & right
     step_loss = torch.stack(step_losses)
     return TTTResult(loss=(step_loss * torch.tensor(weights, device=device)).sum(), step_loss=step_loss,
-                     sample_loss=torch.stack(sample_losses, dim=1), valid=torch.stack(valid_n),
+                     sample_loss=torch.stack(sample_losses, dim=1), trained=torch.stack(trained_n),
+                     valid=torch.stack(valid_n),
                      correct=torch.stack(correct_n), conditional_valid=torch.stack(cvalid_n),
                      conditional_correct=torch.stack(ccorrect_n), weights=weights)
