@@ -269,17 +269,36 @@ def test_padding_invariance(tiny, records):
     assert torch.all(rm.valid >= ra.valid) and torch.all(ra.valid > 0)
 
 
-def test_positions_whose_target_argmax_is_outside_the_draft_vocab_are_masked(tiny):
+def _sure_of_a_non_draft_token(tiny, seed: int):
+    """(draft, target head, record, u): 14 tokens whose target is sure, at u, of a token outside the draft vocab."""
     draft = _draft(tiny)
     head = target_head_weight(tiny).float()
     outside = int((~draft.t2d).nonzero()[0])
-    torch.manual_seed(2)
+    torch.manual_seed(seed)
     t, u = 14, 6
     final = 0.01 * torch.randn(t, H)
-    final[u] = 50 * head[outside] / head[outside].norm()  # the target is sure of a non-draft token at u
+    final[u] = 50 * head[outside] / head[outside].norm()
     rec = Extracted(index=0, input_ids=torch.randint(0, V, (t,), dtype=torch.int32),
                     loss_mask=torch.ones(t, dtype=torch.uint8), aux_hidden=torch.randn(t, 3 * H).bfloat16(),
                     final_hidden=final.bfloat16())
+    return draft, head, rec, u
+
+
+def _another_non_draft_target_at(draft, head, rec, u):
+    """The same record, its target at u another distribution whose argmax is still outside the draft vocab:
+    (batch, teacher)."""
+    outside = int((~draft.t2d).nonzero()[0])
+    final = rec.final_hidden.float().clone()
+    final[u] = 80 * head[outside] / head[outside].norm() + 0.5 * torch.randn(final.shape[1])
+    b = collate([Extracted(**{**rec.__dict__, "final_hidden": final.bfloat16()})])
+    teacher = teacher_targets(b, draft, head)
+    assert not teacher.argmax_in_draft[0, u]
+    return b, teacher
+
+
+def test_positions_whose_target_argmax_is_outside_the_draft_vocab_are_masked(tiny):
+    draft, head, rec, u = _sure_of_a_non_draft_token(tiny, 2)
+    t = rec.input_ids.shape[0]
     b = collate([rec])
     teacher = teacher_targets(b, draft, head)
     assert not teacher.argmax_in_draft[0, u] and teacher.argmax_in_draft[0, u - 1:u + 2].sum() < 3
@@ -287,11 +306,7 @@ def test_positions_whose_target_argmax_is_outside_the_draft_vocab_are_masked(tin
         assert not step_targets(b, teacher, i)[1][0, u - i - 1]  # the position whose teacher is u
     r = ttt_loss(draft, b, steps=3, teacher=teacher)
     # Whatever the target says at u, the loss is the same: that teacher is never used.
-    final2 = final.clone()
-    final2[u] = 80 * head[outside] / head[outside].norm() + 0.5 * torch.randn(H)
-    b2 = collate([Extracted(**{**rec.__dict__, "final_hidden": final2.bfloat16()})])
-    t2 = teacher_targets(b2, draft, head)
-    assert not t2.argmax_in_draft[0, u]
+    b2, t2 = _another_non_draft_target_at(draft, head, rec, u)
     torch.testing.assert_close(ttt_loss(draft, b2, steps=3, teacher=t2).loss, r.loss, rtol=0, atol=0)
     expected = [int(step_valid_mask(b, teacher, i).sum()) for i in range(3)]
     assert r.valid.tolist() == expected and all(e < t - 2 - i for i, e in enumerate(expected))
@@ -300,16 +315,8 @@ def test_positions_whose_target_argmax_is_outside_the_draft_vocab_are_masked(tin
 def test_speculators_loss_positions_train_where_the_target_argmax_is_outside_the_draft_vocab(tiny):
     """loss_positions="all": every loss-masked position trains, the non-draft argmax ones included, toward the
     target's distribution over the draft vocab; the metrics still count only the positions a draft can win."""
-    draft = _draft(tiny)
-    head = target_head_weight(tiny).float()
-    outside = int((~draft.t2d).nonzero()[0])
-    torch.manual_seed(3)
-    t, u = 14, 6
-    final = 0.01 * torch.randn(t, H)
-    final[u] = 50 * head[outside] / head[outside].norm()
-    rec = Extracted(index=0, input_ids=torch.randint(0, V, (t,), dtype=torch.int32),
-                    loss_mask=torch.ones(t, dtype=torch.uint8), aux_hidden=torch.randn(t, 3 * H).bfloat16(),
-                    final_hidden=final.bfloat16())
+    draft, head, rec, u = _sure_of_a_non_draft_token(tiny, 3)
+    t = rec.input_ids.shape[0]
     b = collate([rec])
     teacher = teacher_targets(b, draft, head)
     assert not teacher.argmax_in_draft[0, u]
@@ -321,11 +328,7 @@ def test_speculators_loss_positions_train_where_the_target_argmax_is_outside_the
     for name in ("valid", "correct", "conditional_valid", "conditional_correct"):
         assert getattr(every, name).tolist() == getattr(counted, name).tolist(), name
     # The teacher at u now reaches the loss: another target distribution there, another loss.
-    final2 = final.clone()
-    final2[u] = 80 * head[outside] / head[outside].norm() + 0.5 * torch.randn(H)
-    b2 = collate([Extracted(**{**rec.__dict__, "final_hidden": final2.bfloat16()})])
-    t2 = teacher_targets(b2, draft, head)
-    assert not t2.argmax_in_draft[0, u]
+    b2, t2 = _another_non_draft_target_at(draft, head, rec, u)
     assert not torch.equal(ttt_loss(draft, b2, steps=3, teacher=t2, loss_positions="all").loss, every.loss)
     with pytest.raises(ValueError, match="loss_positions"):
         ttt_loss(draft, b, steps=3, teacher=teacher, loss_positions="everywhere")  # type: ignore[arg-type]

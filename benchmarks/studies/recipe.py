@@ -5,6 +5,8 @@ extracted once (float32 target, 8,192-token draft vocab) with the shards kept. E
 training run on that extraction (`train.extract_key`, nothing deleted) that changes the recipe only:
 - `base`: the data arm's recipe (run `recipe-data`, 1 epoch of 2,048-token batches, lr 1e-3 constant after 20 warmup
   steps, random head): the selection study's `uniform-f32-1epoch` recipe, the default until now;
+- `base-again`: `base` on a rebuilt extraction (a new machine extracts again: the same samples, maybe in other
+  shards, so in another order), the reference for the arms trained on that extraction;
 - `head-target`: the head started from the target's rows, trained (`train.init: target_head`);
 - `head-frozen`: the head started from the target's rows and frozen (`train.head: frozen`), as speculators does;
 - `muon`: Muon on fc and the decoder layer's matrices, AdamW on the rest, as speculators does (ours: AdamW);
@@ -29,7 +31,8 @@ a 90% paired bootstrap interval over the prompts.
 
 A workspace without the extraction gets it first, from the packed answers (`--size` loss-masked tokens;
 `prepare_data`). One process trains and measures every arm it is given (the target's greedy paths are decoded once and
-shared, and kept on disk for the next process; `--paths-only` decodes them beside a training arm); a rerun skips
+shared, and kept on disk for the next process; `--paths-only` decodes them alone, before the arms: beside a training
+arm both slow several-fold on 2 cores); a rerun skips
 trained runs and measured points (`<workspace>/reports/recipe.jsonl`, merged into
 benchmarks/results/recipe.jsonl at the end).
 
@@ -60,6 +63,9 @@ COSINE = {"schedule": "cosine", "warmup_steps": 20, "min_lr_ratio": 0.1}
 # Each arm's changes to the data arm's train section (selection.yaml with recipe-data's overrides).
 ARMS: dict[str, dict] = {
     "base": {},
+    # base trained again, on an extraction rebuilt on another machine (the same samples, another shard layout, so
+    # another sample order): the arms trained on that extraction are compared with it, order for order
+    "base-again": {},
     "head-target": {"init": "target_head"},
     "head-frozen": {"init": "target_head", "head": "frozen"},
     "muon": {"optimizer": "muon"},  # speculators' optimizer: Muon on the hidden matrices, AdamW on the rest
@@ -178,7 +184,8 @@ class Bench:
 
     def decode_paths(self) -> int:
         """The target's greedy path of every prompt, decoded now and kept on disk (no drafter measured): run
-        beside a training arm, so the measuring that follows it only runs drafts. Returns the prompts decoded."""
+        alone (beside a training arm on 2 cores it took 28-30 s a prompt, 5x its speed alone: both processes spin on
+        the same cores), so that later measuring only runs drafts. Returns the prompts decoded."""
         from tqdm import tqdm
 
         from tasks.evaluate.decoding import greedy_path
@@ -414,7 +421,7 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--paths-only", action="store_true",
-                    help="only decode and keep the target's greedy paths (beside a training arm; no arm trained)")
+                    help="only decode and keep the target's greedy paths (no arm trained; run it alone)")
     ap.add_argument("--report", action="store_true", help="only print the report and draw the plot")
     ap.add_argument("--results", type=Path, default=None)
     args = ap.parse_args()
