@@ -152,8 +152,9 @@ class Bench:
                         + prompts_for_benchmark(tokenizer, identity.chat_template, benchmark_sets(True), humaneval))
         self.stops = stop_token_ids(self.model, tokenizer)
         self.max_new, self.k = max_new, k
-        # The greedy paths are most of a measuring process's cost (about 30 of its first 40 minutes here): kept on
-        # disk under everything that decides them, so the next process (another arm, an imported draft) reads them.
+        # The greedy paths are most of a measuring process's cost (20 minutes for the 292 prompts on 2 cores, alone):
+        # kept on disk under everything that decides them, so the next process (another arm, an imported draft) reads
+        # them.
         import torch
 
         from tasks.evaluate.path_cache import load_paths, paths_key
@@ -184,7 +185,7 @@ class Bench:
 
     def decode_paths(self) -> int:
         """The target's greedy path of every prompt, decoded now and kept on disk (no drafter measured): run
-        alone (beside a training arm on 2 cores it took 28-30 s a prompt, 5x its speed alone: both processes spin on
+        alone (beside a training arm on 2 cores it took 28-30 s a prompt, 4 s alone: both processes spin on
         the same cores), so that later measuring only runs drafts. Returns the prompts decoded."""
         from tqdm import tqdm
 
