@@ -95,6 +95,7 @@ ARMS: dict[str, dict] = {
 # The anchor (issue 42): vLLM's own trainer, speculators 0.9.0, on the same extraction with its own recipe (Muon,
 # linear decay, frozen target head, Eagle 3.1 norms, forward-KL over the draft vocab); only the passes and what
 # benchmarks/studies/speculators_anchor/run.py's ANCHOR_FLAGS say differ from its defaults.
+BASE_RECIPE_ARMS = ("base", "base-again")  # the default recipe itself: their spread is one run's noise
 ANCHOR_ARMS: dict[str, dict] = {"speculators-1ep": {"epochs": 1}, "speculators-4ep": {"epochs": 4}}
 ARM_ORDER = [*ARMS, *ANCHOR_ARMS]
 
@@ -391,6 +392,11 @@ def plot(results: Path, out: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(arms) + 1.8))
     for j, dom in enumerate(DOMAINS):
+        # base's own run-to-run range (other seeds, another sample order): a lever inside it is not measured
+        same = [r[f"eagle3_{dom}"] / base[f"eagle3_{dom}"] for _, r in arms if r["arm"] in BASE_RECIPE_ARMS]
+        if len(same) > 1:
+            ax.axvspan(min(same), max(same), color=f"C{j}", alpha=0.12,
+                       label=f"{dom}: base recipe, run to run ({len(same)} runs)")
         for i, (key, r) in enumerate(arms):
             a, b = r[f"eagle3_{dom}"], base[f"eagle3_{dom}"]
             iv = ratio_interval(r.get(f"eagle3_{dom}_per_request"), base.get(f"eagle3_{dom}_per_request"))
