@@ -370,7 +370,7 @@ def ttt_loss(draft: Eagle3Draft, batch: Batch, steps: int = DEFAULT_TTT_STEPS, d
     chain_ok = torch.ones_like(batch.attention_mask, dtype=torch.bool)  # steps < i all counted and correct
     for i, hidden in enumerate(draft.hidden_steps(batch.aux_hidden, batch.input_ids, batch.attention_mask, steps)):
         valid = step_valid_mask(batch, teacher, i)
-        trained = valid if flags is teacher.argmax_in_draft else counted_mask(batch.loss_mask, flags, i)
+        trained = valid if loss_positions == "argmax_in_draft" else counted_mask(batch.loss_mask, flags, i)
         bi, ti = trained.nonzero(as_tuple=True)  # trained positions: token t+i+2 exists, so t+i+1 < T
         logits = draft.lm_head(draft.norm(hidden[bi, ti]))  # [N, draft_vocab]
         if rows is not None:
