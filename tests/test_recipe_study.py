@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.studies.recipe import ARMS, load_points, report, run_name, train_config
+import pytest
+
+from benchmarks.studies.recipe import ARMS, compare, load_points, report, run_name, train_config
 from benchmarks.studies.scaling_results import append_result
 from benchmarks.studies.selection import arm_config
 
@@ -55,6 +57,12 @@ def test_the_report_reads_each_arm_against_base_and_lookup_on_the_same_prompts(t
     assert float(cells[3].split()[0]) > 1.1 and 1.1 < lo <= hi  # better on every prompt: the interval is above 1
     assert cells[6].startswith("1.000")  # HumanEval unchanged
     assert cells[8] == "400 (300)" and cells[9] == "1.50"
+    # any two points, paired: the chat ratio is the report's, HumanEval's is 1, and against lookup it reads lookup's
+    pair = compare(results, "head-frozen/s0", "base/s0")
+    assert f"heldout_chat {float(cells[2]):.3f} / 1.333 = {cells[3]}" in pair and "humaneval 1.333 / 1.333 = 1.000" in pair
+    assert compare(results, "base/s0", "lookup/s0").count("= 1.000") == 2
+    with pytest.raises(SystemExit, match="no point nope/s0"):
+        compare(results, "nope/s0", "base/s0")
 
 
 def test_vocab_coverage_counts_the_outputs_a_vocab_can_produce():

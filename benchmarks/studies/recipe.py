@@ -38,6 +38,7 @@ benchmarks/results/recipe.jsonl at the end).
 
     nice -n 5 .venv/bin/python -m benchmarks.studies.recipe --arms base head-frozen --seeds 0
     .venv/bin/python -m benchmarks.studies.recipe --report --results benchmarks/results/recipe.jsonl
+    .venv/bin/python -m benchmarks.studies.recipe --compare loss-all/s0 base-again/s0 --results benchmarks/results/recipe.jsonl
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ ARMS: dict[str, dict] = {
                             "norm_output": True, "export_formats": ["speculators"], "step_decay": 1.0,
                             "weight_decay": 0.1, "grad_clip": 1.0, "schedule": "linear", "min_lr_ratio": 0.0,
                             "warmup_steps": 3, "loss_positions": "all"},
+    # the same at 10 passes against cosine-10ep: which recipe becomes the default (its warmup stays 1% of the steps)
+    "speculators-in-ours-10ep": {"init": "target_head", "head": "frozen", "optimizer": "muon", "norm_before_fc": True,
+                                 "norm_output": True, "export_formats": ["speculators"], "step_decay": 1.0,
+                                 "weight_decay": 0.1, "grad_clip": 1.0, "schedule": "linear", "min_lr_ratio": 0.0,
+                                 "warmup_steps": 26, "loss_positions": "all", "epochs": 10, **VALIDATION},
     "4ep": {"epochs": 4},  # the demo's recipe (constant lr): what cosine and the kept draft are measured against
     "cosine-4ep": {"epochs": 4, **COSINE, **VALIDATION},
     "cosine-10ep": {"epochs": 10, **COSINE, **VALIDATION},
@@ -378,6 +384,18 @@ def report(results: Path) -> str:
     return "\n".join(lines)
 
 
+def compare(results: Path, a: str, b: str) -> str:
+    """Point a's acceptance over point b's on both sets, paired over their shared prompts: the report's `x base`
+    is always against base at seed 0, while an arm trained on a rebuilt extraction reads against `base-again`."""
+    rows = load_points(results)
+    missing = [k for k in (a, b) if k not in rows]
+    if missing:
+        raise SystemExit(f"{results}: no point {', '.join(missing)} (points: {', '.join(sorted(rows))})")
+    cells = [f"{dom} {rows[a][f'eagle3_{dom}']:.3f} / {rows[b].get(f'eagle3_{dom}') or rows[b][f'lookup_{dom}']:.3f}"
+             f" = {ratio(rows[a], rows[b], dom)}" for dom in DOMAINS]
+    return f"{a} over {b}: " + "; ".join(cells)
+
+
 def plot(results: Path, out: Path) -> Path | None:
     """Each arm's acceptance over base's on both sets, with its interval (PNG)."""
     import matplotlib
@@ -431,7 +449,12 @@ def main() -> None:
                     help="only decode and keep the target's greedy paths (no arm trained; run it alone)")
     ap.add_argument("--report", action="store_true", help="only print the report and draw the plot")
     ap.add_argument("--results", type=Path, default=None)
+    ap.add_argument("--compare", nargs=2, metavar=("A", "B"),
+                    help="only print point A over point B (keys `<arm>/s<seed>` or `lookup/s0`), paired")
     args = ap.parse_args()
+    if args.compare:
+        print(compare(args.results or args.workspace / "reports" / "recipe.jsonl", *args.compare))
+        return
     if not args.report:
         run(args)
     results = args.results or args.workspace / "reports" / "recipe.jsonl"
