@@ -28,6 +28,7 @@ def test_every_arm_changes_only_the_recipe_and_replays_the_kept_shards():
         changed = {k for k, v in change.items() if k != "export_formats" and v != base.model_dump()[k]}
         assert differs - {"run_name", "seed", "export_formats"} == changed, arm
     assert train_config(data, "norms", 0).export_formats == ["speculators"]  # only vLLM serves the norms
+    assert train_config(data, "speculators-in-ours-no-norms", 0).export_formats == ["sglang"]
 
 
 def _point(path: Path, key: str, chat: dict, code: dict, **extra) -> None:

@@ -17,7 +17,8 @@ training run on that extraction (`train.extract_key`, nothing deleted) that chan
   the draft vocab included (ours skips them);
 - `speculators-in-ours`: all of speculators' choices that our trainer has, at once (its frozen head, Muon, norms,
   equal step weights, weight decay, clip, linear decay after a 1% warmup, loss positions): what is left between it
-  and `speculators-1ep` is what our trainer cannot set (its packing, its optimizer's details);
+  and `speculators-1ep` is what our trainer cannot set (its packing, its optimizer's details); `...-no-norms`
+  without the norms (a draft llama.cpp and SGLang serve), `...-10ep` at 10 passes with the kept draft;
 - `4ep`: 4 passes at the same constant lr (configs/demo.yaml's recipe);
 - `cosine-4ep`, `cosine-10ep`, `head-frozen-cosine-4ep`, `...-10ep`: more passes with cosine decay, 16 samples held out and
   the export the best draft by expected acceptance on them (`train.validation_samples`), never by the
@@ -61,6 +62,12 @@ WORKSPACE = ROOT / "runs" / "selection" / "recipe-data"
 BASE_RUN = "recipe-data"  # the data arm's own training run: `base` at seed 0
 VALIDATION = {"validation_samples": 16, "validate_every": 50}
 COSINE = {"schedule": "cosine", "warmup_steps": 20, "min_lr_ratio": 0.1}
+# Eagle 3.1 (speculators' norm_before_fc and norm_output): served by vLLM only, so exported in its format
+NORMS = {"norm_before_fc": True, "norm_output": True, "export_formats": ["speculators"]}
+# speculators' other choices that our trainer has (its frozen target head, Muon, equal TTT step weights, weight decay,
+# clip, linear decay to 0, every loss position); an arm adds its warmup (speculators': 1% of the steps)
+SPECULATORS = {"init": "target_head", "head": "frozen", "optimizer": "muon", "step_decay": 1.0, "weight_decay": 0.1,
+               "grad_clip": 1.0, "schedule": "linear", "min_lr_ratio": 0.0, "loss_positions": "all"}
 # Each arm's changes to the data arm's train section (selection.yaml with recipe-data's overrides).
 ARMS: dict[str, dict] = {
     "base": {},
@@ -78,24 +85,18 @@ ARMS: dict[str, dict] = {
     "clip-1": {"grad_clip": 1.0},  # its gradient clip (ours: 0.5)
     "linear": {"schedule": "linear", "min_lr_ratio": 0.0},  # its linear decay to 0 after warmup (ours: constant)
     "loss-all": {"loss_positions": "all"},  # its loss at every position, non-draft argmax too (ours: draft argmax only)
-    "speculators-in-ours": {"init": "target_head", "head": "frozen", "optimizer": "muon", "norm_before_fc": True,
-                            "norm_output": True, "export_formats": ["speculators"], "step_decay": 1.0,
-                            "weight_decay": 0.1, "grad_clip": 1.0, "schedule": "linear", "min_lr_ratio": 0.0,
-                            "warmup_steps": 3, "loss_positions": "all"},
+    "speculators-in-ours": {**SPECULATORS, **NORMS, "warmup_steps": 3},
+    # the same without the norms: what the engines that ignore them (llama.cpp, SGLang) could serve
+    "speculators-in-ours-no-norms": {**SPECULATORS, "warmup_steps": 3},
     # the same at 10 passes against cosine-10ep: which recipe becomes the default (its warmup stays 1% of the steps)
-    "speculators-in-ours-10ep": {"init": "target_head", "head": "frozen", "optimizer": "muon", "norm_before_fc": True,
-                                 "norm_output": True, "export_formats": ["speculators"], "step_decay": 1.0,
-                                 "weight_decay": 0.1, "grad_clip": 1.0, "schedule": "linear", "min_lr_ratio": 0.0,
-                                 "warmup_steps": 26, "loss_positions": "all", "epochs": 10, **VALIDATION},
+    "speculators-in-ours-10ep": {**SPECULATORS, **NORMS, "warmup_steps": 26, "epochs": 10, **VALIDATION},
     "4ep": {"epochs": 4},  # the demo's recipe (constant lr): what cosine and the kept draft are measured against
     "cosine-4ep": {"epochs": 4, **COSINE, **VALIDATION},
     "cosine-10ep": {"epochs": 10, **COSINE, **VALIDATION},
     "head-frozen-cosine-4ep": {"init": "target_head", "head": "frozen", "epochs": 4, **COSINE, **VALIDATION},
     "head-frozen-cosine-10ep": {"init": "target_head", "head": "frozen", "epochs": 10, **COSINE, **VALIDATION},
-    # Eagle 3.1 (speculators' norm_before_fc and norm_output): served by vLLM only, so exported in its format
-    "norms": {"norm_before_fc": True, "norm_output": True, "export_formats": ["speculators"]},
-    "head-frozen-norms": {"init": "target_head", "head": "frozen", "norm_before_fc": True, "norm_output": True,
-                          "export_formats": ["speculators"]},
+    "norms": NORMS,
+    "head-frozen-norms": {"init": "target_head", "head": "frozen", **NORMS},
 }
 
 # The anchor (issue 42): vLLM's own trainer, speculators 0.9.0, on the same extraction with its own recipe (Muon,
