@@ -78,3 +78,26 @@ def test_vocab_coverage_counts_the_outputs_a_vocab_can_produce():
     assert coverage(counts, 4, outputs) == {"chat": 1.0, "code": 0.5}  # 3, 1, 4, then unseen id 0
     assert answer_text('{"index": 0, "content": "hi"}') == "hi"
     assert answer_text('{"choices": [{"message": {"content": "yo"}}]}') == "yo"
+
+
+def test_the_demo_configs_vllm_recipe_is_the_measured_arm_and_valid():
+    """configs/demo.yaml names speculators' recipe for a vLLM-only draft in a comment: it must stay a valid train
+    section, and the recipe the study measured (`speculators-in-ours-10ep`), short of its warmup and validation."""
+    import yaml
+
+    from tasks.config import TrainConfig, load_config
+
+    lines = (ROOT / "configs" / "demo.yaml").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if "For vLLM alone, set these" in line) + 1
+    block = []
+    for line in lines[start:]:
+        if not line.startswith("  #   "):
+            break
+        block.append(line[len("  #   "):])
+    recipe = yaml.safe_load("{" + " ".join(block) + "}")
+    demo = load_config(ROOT / "configs" / "demo.yaml").train.model_dump(mode="json")
+    cfg = TrainConfig.model_validate({**demo, **recipe})
+    assert cfg.export_formats == ["speculators"] and cfg.head == "frozen" and cfg.epochs == 10
+    measured = {k: v for k, v in ARMS["speculators-in-ours-10ep"].items()
+                if k not in ("warmup_steps", "epochs", "validation_samples", "validate_every")}
+    assert recipe.pop("warmup_steps") >= 0 and recipe == measured
