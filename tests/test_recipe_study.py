@@ -1,5 +1,6 @@
 """The recipe study's bookkeeping (benchmarks/studies/recipe.py): every arm is a valid training config on the
-shared extraction, and the report reads each arm against base and prompt lookup on the same prompts."""
+shared extraction, the report reads each arm against base and prompt lookup on the same prompts, and the vLLM
+recipe that configs/demo.yaml names is the arm the study measured."""
 
 from __future__ import annotations
 
@@ -64,6 +65,8 @@ def test_the_report_reads_each_arm_against_base_and_lookup_on_the_same_prompts(t
     assert compare(results, "base/s0", "lookup/s0").count("= 1.000") == 2
     with pytest.raises(SystemExit, match="no point nope/s0"):
         compare(results, "nope/s0", "base/s0")
+    with pytest.raises(SystemExit, match="the first point must be an arm"):
+        compare(results, "lookup/s0", "base/s0")
 
 
 def test_vocab_coverage_counts_the_outputs_a_vocab_can_produce():

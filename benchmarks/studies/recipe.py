@@ -392,6 +392,8 @@ def compare(results: Path, a: str, b: str) -> str:
     missing = [k for k in (a, b) if k not in rows]
     if missing:
         raise SystemExit(f"{results}: no point {', '.join(missing)} (points: {', '.join(sorted(rows))})")
+    if "eagle3_heldout_chat" not in rows[a]:
+        raise SystemExit(f"{a} has no draft: the first point must be an arm (the second may be lookup/s0)")
     cells = [f"{dom} {rows[a][f'eagle3_{dom}']:.3f} / {rows[b].get(f'eagle3_{dom}') or rows[b][f'lookup_{dom}']:.3f}"
              f" = {ratio(rows[a], rows[b], dom)}" for dom in DOMAINS]
     return f"{a} over {b}: " + "; ".join(cells)
@@ -451,7 +453,7 @@ def main() -> None:
     ap.add_argument("--report", action="store_true", help="only print the report and draw the plot")
     ap.add_argument("--results", type=Path, default=None)
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"),
-                    help="only print point A over point B (keys `<arm>/s<seed>` or `lookup/s0`), paired")
+                    help="only print arm point A over point B (keys `<arm>/s<seed>`; B may be `lookup/s0`), paired")
     args = ap.parse_args()
     if args.compare:
         print(compare(args.results or args.workspace / "reports" / "recipe.jsonl", *args.compare))
