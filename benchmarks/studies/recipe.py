@@ -344,12 +344,17 @@ def _record(results: Path, done: dict, key: str, row: dict, args: argparse.Names
 
 # ---------------------------------------------------------------- report
 
+def acceptance(row: dict, dom: str) -> float:
+    """A point's acceptance on one domain: its draft's, or prompt lookup's for the lookup point."""
+    return row.get(f"eagle3_{dom}") or row[f"lookup_{dom}"]
+
+
 def ratio(a: dict, b: dict | None, dom: str) -> str:
     """a's acceptance over b's on one domain, with the 90% paired bootstrap interval over their shared prompts."""
     if b is None or not b.get(f"eagle3_{dom}", b.get(f"lookup_{dom}")):
         return "-"
     num = a[f"eagle3_{dom}"]
-    den = b.get(f"eagle3_{dom}") or b[f"lookup_{dom}"]
+    den = acceptance(b, dom)
     side = "eagle3" if f"eagle3_{dom}" in b else "lookup"
     iv = ratio_interval(a.get(f"eagle3_{dom}_per_request"), b.get(f"{side}_{dom}_per_request"))
     cell = f"{num / den:.3f}"
@@ -394,8 +399,8 @@ def compare(results: Path, a: str, b: str) -> str:
         raise SystemExit(f"{results}: no point {', '.join(missing)} (points: {', '.join(sorted(rows))})")
     if "eagle3_heldout_chat" not in rows[a]:
         raise SystemExit(f"{a} has no draft: the first point must be an arm (the second may be lookup/s0)")
-    cells = [f"{dom} {rows[a][f'eagle3_{dom}']:.3f} / {rows[b].get(f'eagle3_{dom}') or rows[b][f'lookup_{dom}']:.3f}"
-             f" = {ratio(rows[a], rows[b], dom)}" for dom in DOMAINS]
+    cells = [f"{dom} {rows[a][f'eagle3_{dom}']:.3f} / {acceptance(rows[b], dom):.3f} = {ratio(rows[a], rows[b], dom)}"
+             for dom in DOMAINS]
     return f"{a} over {b}: " + "; ".join(cells)
 
 
@@ -455,12 +460,12 @@ def main() -> None:
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"),
                     help="only print arm point A over point B (keys `<arm>/s<seed>`; B may be `lookup/s0`), paired")
     args = ap.parse_args()
+    results = args.results or args.workspace / "reports" / "recipe.jsonl"
     if args.compare:
-        print(compare(args.results or args.workspace / "reports" / "recipe.jsonl", *args.compare))
+        print(compare(results, *args.compare))
         return
     if not args.report:
         run(args)
-    results = args.results or args.workspace / "reports" / "recipe.jsonl"
     print(report(results))
     png = plot(results, results.with_suffix(".png"))
     if png:
