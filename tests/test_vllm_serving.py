@@ -193,6 +193,19 @@ def test_two_passes_average_the_speeds_and_the_verdict_takes_each_draft_against_
         mean_over_passes([one, one[:-1]])
 
 
+def test_the_mean_of_two_passes_recomputes_the_break_even_from_the_mean_round_cost():
+    one = [_row("baseline", "baseline", None, 10.0),
+           {**_row("eagle3-ours-k2", "eagle3", 2, 12.0, acceptance=1.5), "ms_per_verify_round": 125.0,
+            "accept_needed": 1.25}]
+    two = [_row("baseline", "baseline", None, 14.0),
+           {**_row("eagle3-ours-k2", "eagle3", 2, 15.0, acceptance=1.5), "ms_per_verify_round": 100.0,
+            "accept_needed": 1.4}]
+    ours = {r["config"]: r for r in mean_over_passes([one, two])}["eagle3-ours-k2"]
+    assert ours["ms_per_verify_round"] == 112.5 and ours["ms_per_verify_round_by_pass"] == [125.0, 100.0]
+    # 112.5 ms a round against the mean baseline's 1/12 s a token, neither pass's 1.25 or 1.4
+    assert ours["accept_needed"] == 1.35 and ours["predicted_speedup"] == round(1.5 / 1.35, 3)
+
+
 # ---------------------------------------------------------------- a real vLLM
 
 @pytest.fixture(scope="module")

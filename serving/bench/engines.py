@@ -379,8 +379,10 @@ def draft_of(label: str) -> str:
 def mean_over_passes(passes: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
     """One row per (config, concurrency) from several passes of the same sweep (EngineBenchResult.rows() each):
     the speeds averaged, the speedup the ratio of the averaged speeds, each pass's speed kept
-    (`output_tok_s_by_pass`); the rest from the first pass. Acceptance and outputs are the same in every pass of a
-    greedy, lossless sweep; `lossless_identical` is the fewest identical of any pass."""
+    (`output_tok_s_by_pass`); a verify round's cost averaged too, and the break-even acceptance recomputed from it
+    and the averaged baseline (a table of means must not carry the first pass's break-even); the rest from the first
+    pass. Acceptance and outputs are the same in every pass of a greedy, lossless sweep; `lossless_identical` is the
+    fewest identical of any pass."""
     if not passes:
         raise ValueError("no passes to average")
     keys = [[(r["config"], r["concurrency"]) for r in rows] for rows in passes]
@@ -399,9 +401,15 @@ def mean_over_passes(passes: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict
         if first.get("drafter") == BASELINE:
             base[first["concurrency"]] = row["output_tok_s"]
         out.append(row)
-    for row in out:
+    for i, row in enumerate(out):
         ref = base.get(row["concurrency"])
         row["speedup_vs_baseline"] = round(row["output_tok_s"] / ref, 3) if ref else None
+        round_ms = [rows[i].get("ms_per_verify_round") for rows in passes]
+        if ref and row.get("acceptance") and all(round_ms):
+            mean_ms = sum(round_ms) / len(round_ms)
+            needed = mean_ms / 1000 * ref / row["concurrency"]  # round cost / baseline time per token
+            row.update(ms_per_verify_round=round(mean_ms, 1), ms_per_verify_round_by_pass=round_ms,
+                       accept_needed=_round(needed), predicted_speedup=_round(row["acceptance"] / needed))
     return out
 
 
