@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from serving.bench.results import BreakEven, LevelResult, OnlineBenchResult
+from serving.bench.results import BreakEven, LevelResult, OnlineBenchResult, needed_accept_length
 from serving.llamacpp.server import LlamaCppServer, Speculation
 from serving.bench.online import ServerConfig, run_online_benchmark
 from serving.process import ManagedServer
@@ -407,7 +407,7 @@ def mean_over_passes(passes: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict
         round_ms = [rows[i].get("ms_per_verify_round") for rows in passes]
         if ref and row.get("acceptance") and all(round_ms):
             mean_ms = sum(round_ms) / len(round_ms)
-            needed = mean_ms / 1000 * ref / row["concurrency"]  # round cost / baseline time per token
+            needed = needed_accept_length(mean_ms / 1000, ref, row["concurrency"])
             row.update(ms_per_verify_round=round(mean_ms, 1), ms_per_verify_round_by_pass=round_ms,
                        accept_needed=_round(needed), predicted_speedup=_round(row["acceptance"] / needed))
     return out

@@ -273,6 +273,12 @@ class OnlineBenchResult:
         return break_even(base_tok_s, spec)
 
 
+def needed_accept_length(time_per_verify_round_s: float, baseline_tok_s: float, concurrency: int) -> float:
+    """The acceptance length a speculative stream needs to match the baseline: the time of one verify round over
+    the baseline's time per token (c streams at once: c / baseline_tok_s each)."""
+    return time_per_verify_round_s / (concurrency / baseline_tok_s)
+
+
 def break_even(baseline_tok_s: float | Mapping[int, float], spec_levels: Iterable[LevelResult]) -> BreakEvenReport:
     """The acceptance length each speculative level needs to beat the baseline, from its measured step cost.
 
@@ -293,7 +299,7 @@ def break_even(baseline_tok_s: float | Mapping[int, float], spec_levels: Iterabl
             raise SpecMetricsMissing(f"config {lv.config!r} at concurrency {lv.concurrency} has no spec_verify_ct: "
                                      "break-even needs a speculative run")
         per_token = lv.concurrency / ref
-        needed = round_s / per_token
+        needed = needed_accept_length(round_s, ref, lv.concurrency)
         items.append(BreakEven(config=lv.config, concurrency=lv.concurrency, baseline_tok_s=float(ref),
                                spec_tok_s=lv.output_tok_s, baseline_time_per_token_s=per_token,
                                time_per_verify_round_s=round_s, measured_accept_length=measured,
