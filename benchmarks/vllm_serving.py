@@ -17,10 +17,11 @@ once into `<draft>-speculators` through the project's own export (serving/vllm/e
 Run (after `make install vllm`):
     .venv/bin/python -m benchmarks.vllm_serving --workspace runs/scaling --draft PATH [--ks 1 2 3 4]
         [--concurrency 1 4] [--prompts 32] [--max-new 64] [--dtype bfloat16] [--offline]
-The goal measurement (issue 42: both drafts and the n-gram each at its best k and window, quiet machine):
+The goal measurement (issue 42: both drafts and the n-gram each at its best k and window, quiet machine; vLLM
+compiled, as it serves by default, and with the Intel OpenMP its CPU build asks for, which every server here gets):
     .venv/bin/python -m benchmarks.vllm_serving --workspace runs/selection/recipe-data --dtype float32 \\
         --draft ours=EXPORT speculators=IMPORT --ks 1 2 3 --ngram-ks 1 2 3 --prompt-lookup 1:3 2:4 \\
-        --concurrency 1 --prompts 64 --passes 2 --offline
+        --concurrency 1 --prompts 64 --passes 2 --offline --compile
 Results: a table and the verdict on stdout, one JSON line appended to benchmarks/results/vllm_serving.jsonl,
 and a plot (PNG) beside it.
 """
@@ -114,12 +115,13 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--offline", action="store_true", help="measure the offline evaluator here at every k")
-    ap.add_argument("--compile", action="store_true", help="without --enforce-eager (torch.compile; slow starts)")
+    ap.add_argument("--compile", action="store_true", help="without --enforce-eager: torch.compile, as vLLM serves by "
+                    "default (the first start compiles for minutes, later ones read vLLM's compile cache)")
     args = ap.parse_args()
 
     from serving.bench.engines import (VllmEngine, agreement, agreement_line, draft_of, mean_over_passes,
                                        plot_engine_benchmark, run_engine_benchmark, verdict_lines, vllm_sweep_configs)
-    from serving.vllm.extract_server import VllmEngineArgs
+    from serving.vllm.extract_server import VllmEngineArgs, intel_openmp_preload
     from storage.lineage import LineageStore
     from tasks.evaluate.offline import prompts_for_benchmark
     from tasks.evaluate.heldout import heldout_set
@@ -143,15 +145,17 @@ def main() -> None:
             if value is not None:
                 offline.setdefault(name, {})[k] = value
     context = max(len(p) for p in prompts) + args.max_new + 16  # the longest prompt, its answer, k drafts
-    engine = VllmEngine(VllmEngineArgs(model=files.folder, dtype=args.dtype, max_model_len=context,
-                                       max_num_seqs=max(args.concurrency), enforce_eager=not args.compile))
+    engine_args = VllmEngineArgs(model=files.folder, dtype=args.dtype, max_model_len=context,
+                                 max_num_seqs=max(args.concurrency), enforce_eager=not args.compile)
+    engine = VllmEngine(engine_args)
     configs = vllm_sweep_configs(drafts, args.ks, [k for k in args.ngram_ks if k > 0], args.prompt_lookup)
     # each EAGLE-3 row's draft name, from the labels the sweep gave its configs
     draft_name = {draft_of(c.label): c.speculation.name for c in configs if c.drafter == "eagle3"}
 
     def of(row: dict) -> str | None:
         return draft_name.get(draft_of(row["config"])) if row["drafter"] == "eagle3" else None
-    print(f"vLLM ({args.dtype}) on {files.folder}: {', '.join(c.label for c in configs)}; {len(prompts)} held-out "
+    print(f"vLLM ({args.dtype}, {'compiled' if args.compile else 'eager'}) on {files.folder}: "
+          f"{', '.join(c.label for c in configs)}; {len(prompts)} held-out "
           f"chat prompts x {args.max_new} new tokens, concurrency {args.concurrency}, {args.passes} pass(es); "
           f"load {load()}", flush=True)
     started = time.monotonic()
@@ -195,6 +199,7 @@ def main() -> None:
         f.write(json.dumps({"recorded_at": dt.datetime.now(dt.timezone.utc).isoformat(),
                             "drafts": {name: str(p) for name, p in given.items()},
                             "dtype": args.dtype, "compiled": args.compile, "prompts": len(prompts),
+                            "ld_preload": intel_openmp_preload(engine_args.python, os.environ.get("LD_PRELOAD", "")),
                             "max_new_tokens": args.max_new, "passes": args.passes,
                             "offline": offline, "rows": rows, "rows_by_pass": by_pass, "verdict": lines,
                             "wall_s": round(time.monotonic() - started, 1)}) + "\n")

@@ -20,7 +20,7 @@ from serving.bench.results import BaselineSpeculates, BenchmarkError, LevelResul
 from serving.vllm.doctor_live import loaded_checks
 from serving.bench.engines import mean_over_passes, verdict_lines, vllm_engine_configs, vllm_sweep_configs
 from serving.bench.online import ServerConfig, vllm_completion
-from serving.vllm.extract_server import VllmEngineArgs
+from serving.vllm.extract_server import VllmEngineArgs, VllmServer, intel_openmp_preload
 from serving.vllm.server import LoadedDraft, VllmSpecServer, VllmSpeculation, read_loaded_draft
 from storage.lineage import LineageStore
 
@@ -232,6 +232,27 @@ def trained(vllm_target, tmp_path_factory, prefect_api):
 
 
 @pytest.mark.timeout(1200)
+def test_vllm_servers_preload_the_environments_intel_openmp_as_vllms_cpu_build_asks(tmp_path, monkeypatch):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text("")
+    assert intel_openmp_preload(python, "") == ""  # a GPU build: no libiomp5 in the environment, nothing added
+    assert intel_openmp_preload(python, "/x/libjemalloc.so") == "/x/libjemalloc.so"
+    (venv / "lib").mkdir()
+    (venv / "lib" / "libiomp5.so").write_bytes(b"")
+    iomp = str(venv / "lib" / "libiomp5.so")
+    assert intel_openmp_preload(python, "") == iomp
+    assert intel_openmp_preload(python, "/x/libtcmalloc_minimal.so.4") == f"/x/libtcmalloc_minimal.so.4:{iomp}"
+    assert intel_openmp_preload(python, "/opt/libiomp5.so") == "/opt/libiomp5.so"  # the user's own wins
+
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    server = VllmServer(VllmEngineArgs(model=tmp_path, python=python))
+    assert server.environment()["LD_PRELOAD"] == iomp
+    monkeypatch.setenv("LD_PRELOAD", "/x/libtcmalloc_minimal.so.4")
+    assert server.environment()["LD_PRELOAD"] == f"/x/libtcmalloc_minimal.so.4:{iomp}"
+
+
 def test_benchmark_flow_serves_the_draft_on_vllm(trained):
     from flows.benchmark import benchmark
     from flows.tables import serving_view

