@@ -192,8 +192,9 @@ def main() -> None:
     for line in lines:
         print(line)
     png = RESULTS.parent / f"vllm-serving-{dt.date.today().isoformat()}.png"
+    mode = "compiled" if args.compile else "eager"
     plot_engine_benchmark(rows, png, offline=next(iter(offline.values()), None) if len(drafts) == 1 else None,
-                          title=f"vLLM {rows[0]['server_build']} ({args.dtype})")
+                          title=f"vLLM {rows[0]['server_build']} ({args.dtype}, {mode})")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with open(RESULTS, "a") as f:
         f.write(json.dumps({"recorded_at": dt.datetime.now(dt.timezone.utc).isoformat(),
