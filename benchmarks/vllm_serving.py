@@ -151,10 +151,11 @@ def main() -> None:
     configs = vllm_sweep_configs(drafts, args.ks, [k for k in args.ngram_ks if k > 0], args.prompt_lookup)
     # each EAGLE-3 row's draft name, from the labels the sweep gave its configs
     draft_name = {draft_of(c.label): c.speculation.name for c in configs if c.drafter == "eagle3"}
+    mode = "compiled" if args.compile else "eager"
 
     def of(row: dict) -> str | None:
         return draft_name.get(draft_of(row["config"])) if row["drafter"] == "eagle3" else None
-    print(f"vLLM ({args.dtype}, {'compiled' if args.compile else 'eager'}) on {files.folder}: "
+    print(f"vLLM ({args.dtype}, {mode}) on {files.folder}: "
           f"{', '.join(c.label for c in configs)}; {len(prompts)} held-out "
           f"chat prompts x {args.max_new} new tokens, concurrency {args.concurrency}, {args.passes} pass(es); "
           f"load {load()}", flush=True)
@@ -192,7 +193,6 @@ def main() -> None:
     for line in lines:
         print(line)
     png = RESULTS.parent / f"vllm-serving-{dt.date.today().isoformat()}.png"
-    mode = "compiled" if args.compile else "eager"
     plot_engine_benchmark(rows, png, offline=next(iter(offline.values()), None) if len(drafts) == 1 else None,
                           title=f"vLLM {rows[0]['server_build']} ({args.dtype}, {mode})")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -231,7 +231,6 @@ def trained(vllm_target, tmp_path_factory, prefect_api):
     return ws, target, Path(s.exports["speculators"])
 
 
-@pytest.mark.timeout(1200)
 def test_vllm_servers_preload_the_environments_intel_openmp_as_vllms_cpu_build_asks(tmp_path, monkeypatch):
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
@@ -253,6 +252,7 @@ def test_vllm_servers_preload_the_environments_intel_openmp_as_vllms_cpu_build_a
     assert server.environment()["LD_PRELOAD"] == f"/x/libtcmalloc_minimal.so.4:{iomp}"
 
 
+@pytest.mark.timeout(1200)
 def test_benchmark_flow_serves_the_draft_on_vllm(trained):
     from flows.benchmark import benchmark
     from flows.tables import serving_view
