@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.studies.recipe import ARMS, compare, load_points, report, run_name, train_config
+from benchmarks.studies.recipe import ARMS, PASS_CURVES, compare, load_points, plot_passes, report, run_name, train_config
 from benchmarks.studies.scaling_results import append_result
 from benchmarks.studies.selection import arm_config
 
@@ -67,6 +67,21 @@ def test_the_report_reads_each_arm_against_base_and_lookup_on_the_same_prompts(t
         compare(results, "nope/s0", "base/s0")
     with pytest.raises(SystemExit, match="the first point must be an arm"):
         compare(results, "lookup/s0", "base/s0")
+
+
+def test_the_passes_plot_waits_for_two_passes_of_one_recipe_and_names_only_measured_arms(tmp_path):
+    for arms in PASS_CURVES.values():  # each curve's arms are study arms, in increasing passes
+        passes = [ARMS[a].get("epochs", 1) for a in arms]
+        assert passes == sorted(set(passes)), arms
+    results = tmp_path / "recipe.jsonl"
+    same = {"a": (40, 30), "b": (40, 32)}
+    _point(results, "lookup/s0", same, same)
+    _point(results, "base/s0", same, same)
+    _point(results, "speculators-in-ours/s0", same, same)
+    assert plot_passes(results, tmp_path / "passes.png") is None  # one point a recipe: no curve yet
+    _point(results, "cosine-10ep/s0", {k: (t, r - 3) for k, (t, r) in same.items()}, same)
+    png = plot_passes(results, tmp_path / "passes.png")
+    assert png == tmp_path / "passes.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_vocab_coverage_counts_the_outputs_a_vocab_can_produce():

@@ -447,6 +447,53 @@ def plot(results: Path, out: Path) -> Path | None:
     return out
 
 
+# The two recipes measured at several passes over the same data: the curve a user reads to choose how long to train.
+PASS_CURVES = {"ours (AdamW, trained head; cosine + kept draft past 1 pass)": ("base", "cosine-4ep", "cosine-10ep"),
+               "speculators' recipe in ours (Eagle 3.1 norms, vLLM only)":
+                   ("speculators-in-ours", "speculators-in-ours-5ep", "speculators-in-ours-10ep",
+                    "speculators-in-ours-20ep")}
+
+
+def plot_passes(results: Path, out: Path) -> Path | None:
+    """Acceptance against passes over the data for each recipe in PASS_CURVES, one panel a domain, every seed a
+    dot and the seeds' mean a line, prompt lookup as the bar (PNG); None until a curve has two measured points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = load_points(results)
+    curves = {label: [(ARMS[arm].get("epochs", 1), [r for r in rows.values() if r["arm"] == arm])
+                      for arm in arms] for label, arms in PASS_CURVES.items()}
+    curves = {label: [(n, pts) for n, pts in c if pts] for label, c in curves.items()}
+    if not any(len(c) > 1 for c in curves.values()):
+        return None
+    lookup = rows.get("lookup/s0")
+    fig, axes = plt.subplots(1, len(DOMAINS), figsize=(11, 4.2), sharey=True)
+    for ax, dom in zip(axes, DOMAINS):
+        for j, (label, c) in enumerate(curves.items()):
+            xs = [n for n, _ in c]
+            means = [sum(r[f"eagle3_{dom}"] for r in pts) / len(pts) for _, pts in c]
+            ax.plot(xs, means, "-o", color=f"C{j}", label=label)
+            for n, pts in c:
+                ax.plot([n] * len(pts), [r[f"eagle3_{dom}"] for r in pts], ".", color=f"C{j}", alpha=0.5)
+        if lookup is not None:
+            ax.axhline(lookup[f"lookup_{dom}"], color="grey", ls="--", lw=1, label="prompt lookup")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([1, 2, 4, 5, 10, 20], ["1", "2", "4", "5", "10", "20"])
+        ax.set_xlabel("passes over the 200K-token extraction")
+        ax.set_title(dom)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("acceptance length (k = 3; dots: seeds)")
+    axes[0].legend(fontsize=8, loc="lower right")
+    fig.suptitle("recipe study: acceptance against passes, same data")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workspace", type=Path, default=WORKSPACE)
@@ -472,9 +519,10 @@ def main() -> None:
     if not args.report:
         run(args)
     print(report(results))
-    png = plot(results, results.with_suffix(".png"))
-    if png:
-        print(png)
+    for png in (plot(results, results.with_suffix(".png")),
+                plot_passes(results, results.with_name(results.stem + "-passes.png"))):
+        if png:
+            print(png)
 
 
 if __name__ == "__main__":
