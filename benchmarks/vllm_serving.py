@@ -5,7 +5,8 @@ with the serving chat template, sent as token ids), greedy: vLLM alone, each dra
 `--ks`, vLLM's n-gram (prompt lookup) at each k of `--ngram-ks` and each window of `--prompt-lookup`; each at
 every concurrency of `--concurrency`; then vLLM alone again (a warning if the machine's speed changed
 meanwhile). `--passes 2` runs the whole sweep twice, one pass after the other (so a slow spell of the
-machine falls on every config of a pass, not on one config twice), and reports each pass and their mean.
+machine falls on every config of a pass, not on one config twice), the second pass in reverse order after the
+baseline (so a steady drift weighs every config alike in the mean), and reports each pass and their mean.
 Every output is checked against the baseline's ids (lossless), acceptance and acceptance by position
 come from vLLM's own per-request counters, and the break-even acceptance per k is measured from each
 config's verify round cost. The offline evaluator's acceptance for the same draft, prompts and k is read from the
@@ -119,7 +120,7 @@ def main() -> None:
                     "default (the first start compiles for minutes, later ones read vLLM's compile cache)")
     args = ap.parse_args()
 
-    from serving.bench.engines import (VllmEngine, agreement, agreement_line, draft_of, mean_over_passes,
+    from serving.bench.engines import (VllmEngine, agreement, agreement_line, draft_of, mean_over_passes, pass_order,
                                        plot_engine_benchmark, run_engine_benchmark, verdict_lines, vllm_sweep_configs)
     from serving.vllm.extract_server import VllmEngineArgs, intel_openmp_preload
     from storage.lineage import LineageStore
@@ -170,7 +171,7 @@ def main() -> None:
     by_pass = []
     for i in range(args.passes):
         print(f"pass {i + 1} of {args.passes}", flush=True)
-        bench = run_engine_benchmark(engine, prompts, configs=configs, concurrency=args.concurrency,
+        bench = run_engine_benchmark(engine, prompts, configs=pass_order(configs, i), concurrency=args.concurrency,
                                      max_new_tokens=args.max_new, log_dir=logs, on_config=progress)
         by_pass.append(bench.rows())
         if args.passes > 1:

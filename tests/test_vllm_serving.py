@@ -18,7 +18,7 @@ import pytest
 
 from serving.bench.results import BaselineSpeculates, BenchmarkError, LevelResult, RequestMetrics, SpecMetricsMissing
 from serving.vllm.doctor_live import loaded_checks
-from serving.bench.engines import mean_over_passes, verdict_lines, vllm_engine_configs, vllm_sweep_configs
+from serving.bench.engines import mean_over_passes, pass_order, verdict_lines, vllm_engine_configs, vllm_sweep_configs
 from serving.bench.online import ServerConfig, vllm_completion
 from serving.vllm.extract_server import VllmEngineArgs, VllmServer, intel_openmp_preload
 from serving.vllm.server import LoadedDraft, VllmSpecServer, VllmSpeculation, read_loaded_draft
@@ -177,7 +177,9 @@ def test_two_passes_average_the_speeds_and_the_verdict_takes_each_draft_against_
            _row("ngram-k3-2:4", "ngram", 3, 48.0, acceptance=1.3, lossless_identical=64, lossless_total=64, lossless="64/64 identical")]
     two = [{**r, "output_tok_s": r["output_tok_s"] * 1.1} for r in one]
     two[1] = {**two[1], "lossless_identical": 63, "lossless": "63/64 identical"}
+    two = [two[0], *two[:0:-1]]  # the second pass ran in reverse order after the baseline (pass_order)
     rows = mean_over_passes([one, two])
+    assert [r["config"] for r in rows] == [r["config"] for r in one]  # the first pass's order
     by = {r["config"]: r for r in rows}
     assert by["baseline"]["output_tok_s"] == 42.0 and by["baseline"]["output_tok_s_by_pass"] == [40.0, 44.0]
     assert by["eagle3-ours-k2"]["speedup_vs_baseline"] == 1.25  # the ratio of the means, a drift shared by all
@@ -191,6 +193,17 @@ def test_two_passes_average_the_speeds_and_the_verdict_takes_each_draft_against_
     assert any("(eagle3-theirs)" in line and "best 1.10x" in line for line in lines)
     with pytest.raises(ValueError, match="same configs"):
         mean_over_passes([one, one[:-1]])
+    with pytest.raises(ValueError, match="same configs"):  # a config twice in a pass is not a reordering
+        mean_over_passes([one, [*one[:-1], one[1]]])
+
+
+def test_odd_passes_run_the_configs_in_reverse_after_the_baseline():
+    configs = vllm_sweep_configs({"ours": Path("/d")}, [1, 2], [3], [(1, 3), (2, 4)])
+    labels = [c.label for c in configs]
+    assert [c.label for c in pass_order(configs, 0)] == labels
+    again = [c.label for c in pass_order(configs, 1)]
+    assert again[0] == labels[0] == "baseline" and again[1:] == labels[:0:-1]
+    assert [c.label for c in pass_order(configs, 2)] == labels
 
 
 def test_the_mean_of_two_passes_recomputes_the_break_even_from_the_mean_round_cost():

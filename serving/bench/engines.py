@@ -376,18 +376,28 @@ def draft_of(label: str) -> str:
     return re.sub(r"-k\d+$", "", label)
 
 
+def pass_order(configs: Sequence[EngineConfig], pass_index: int) -> list[EngineConfig]:
+    """The configs in the order pass `pass_index` (from 0) runs them: the baseline first (every other is compared with
+    it), the rest as given on even passes and reversed on odd ones, so that over two passes a steady drift of the
+    machine's speed weighs every config alike instead of favouring the first ones."""
+    head, rest = list(configs[:1]), list(configs[1:])
+    return head + (rest[::-1] if pass_index % 2 else rest)
+
+
 def mean_over_passes(passes: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
     """One row per (config, concurrency) from several passes of the same sweep (EngineBenchResult.rows() each):
     the speeds averaged, the speedup the ratio of the averaged speeds, each pass's speed kept
     (`output_tok_s_by_pass`); a verify round's cost averaged too, and the break-even acceptance recomputed from it
     and the averaged baseline (a table of means must not carry the first pass's break-even); the rest from the first
     pass. Acceptance and outputs are the same in every pass of a greedy, lossless sweep; `lossless_identical` is the
-    fewest identical of any pass."""
+    fewest identical of any pass. Each pass's rows may come in any order (`pass_order`)."""
     if not passes:
         raise ValueError("no passes to average")
+    # rows matched by (config, concurrency), in the first pass's order: a later pass may run them in another order
     keys = [[(r["config"], r["concurrency"]) for r in rows] for rows in passes]
-    if any(k != keys[0] for k in keys):
+    if any(sorted(k) != sorted(keys[0]) or len(set(k)) != len(k) for k in keys):
         raise ValueError("the passes did not measure the same configs at the same concurrencies")
+    passes = [sorted(rows, key=lambda r: keys[0].index((r["config"], r["concurrency"]))) for rows in passes]
     base = {}
     out = []
     for i, first in enumerate(passes[0]):
