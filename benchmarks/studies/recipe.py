@@ -411,6 +411,17 @@ def compare(results: Path, a: str, b: str) -> str:
     return f"{a} over {b}: " + "; ".join(cells)
 
 
+def _saved(fig, out: Path) -> Path:
+    """Lay out, write `out` (PNG) and free the figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def plot(results: Path, out: Path) -> Path | None:
     """Each arm's acceptance over base's on both sets, with its interval (PNG)."""
     import matplotlib
@@ -442,11 +453,7 @@ def plot(results: Path, out: Path) -> Path | None:
     ax.set_xlabel("acceptance length / base's (k = 3), 90% paired bootstrap interval")
     ax.legend(loc="lower right", fontsize=8)
     ax.set_title("recipe study: each lever against the default recipe, same data")
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _saved(fig, out)
 
 
 # The two recipes measured at several passes over the same data: the curve a user reads to choose how long to train.
@@ -490,11 +497,7 @@ def plot_passes(results: Path, out: Path) -> Path | None:
     axes[0].set_ylabel("acceptance length (k = 3; dots: seeds)")
     axes[0].legend(fontsize=8, loc="lower right")
     fig.suptitle("recipe study: acceptance against passes, same data")
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _saved(fig, out)
 
 
 def main() -> None:
