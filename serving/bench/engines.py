@@ -563,7 +563,7 @@ def plot_engine_benchmark(rows: Sequence[Mapping[str, Any]], path: str | Path, *
     speed.set_xticks(range(len(configs)), configs, rotation=20, fontsize=8)
     speed.set_ylabel("output tokens/s (all streams)")
     speed.set_title("throughput (dashed: baseline)")
-    speed.legend(fontsize=8)
+    speed.legend(fontsize=8, loc="lower right")  # above the bars it hides their ratio labels
     speed.grid(axis="y", alpha=0.3)
 
     spec = [cfg for cfg in configs if cfg != BASELINE]
