@@ -472,11 +472,14 @@ def plot_passes(results: Path, out: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     rows = load_points(results)
-    curves = {label: [(ARMS[arm].get("epochs", 1), [r for r in rows.values() if r["arm"] == arm])
-                      for arm in arms] for label, arms in PASS_CURVES.items()}
-    curves = {label: [(n, pts) for n, pts in c if pts] for label, c in curves.items()}
+    by_arm: dict[str, list[dict]] = {}
+    for r in rows.values():
+        by_arm.setdefault(r["arm"], []).append(r)
+    curves = {label: [(ARMS[arm].get("epochs", 1), by_arm[arm]) for arm in arms if arm in by_arm]
+              for label, arms in PASS_CURVES.items()}
     if not any(len(c) > 1 for c in curves.values()):
         return None
+    ticks = sorted({n for c in curves.values() for n, _ in c})
     lookup = rows.get("lookup/s0")
     fig, axes = plt.subplots(1, len(DOMAINS), figsize=(11, 4.2), sharey=True)
     for ax, dom in zip(axes, DOMAINS):
@@ -489,7 +492,6 @@ def plot_passes(results: Path, out: Path) -> Path | None:
         if lookup is not None:
             ax.axhline(lookup[f"lookup_{dom}"], color="grey", ls="--", lw=1, label="prompt lookup")
         ax.set_xscale("log", base=2)
-        ticks = sorted({n for c in curves.values() for n, _ in c})
         ax.set_xticks(ticks, [str(n) for n in ticks])
         ax.set_xlabel("passes over the 200K-token extraction")
         ax.set_title(dom)

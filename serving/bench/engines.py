@@ -397,7 +397,8 @@ def mean_over_passes(passes: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict
     keys = [[(r["config"], r["concurrency"]) for r in rows] for rows in passes]
     if any(sorted(k) != sorted(keys[0]) or len(set(k)) != len(k) for k in keys):
         raise ValueError("the passes did not measure the same configs at the same concurrencies")
-    passes = [sorted(rows, key=lambda r: keys[0].index((r["config"], r["concurrency"]))) for rows in passes]
+    place = {k: i for i, k in enumerate(keys[0])}
+    passes = [sorted(rows, key=lambda r: place[(r["config"], r["concurrency"])]) for rows in passes]
     base = {}
     out = []
     for i, first in enumerate(passes[0]):
