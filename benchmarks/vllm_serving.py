@@ -120,8 +120,9 @@ def main() -> None:
                     "default (the first start compiles for minutes, later ones read vLLM's compile cache)")
     args = ap.parse_args()
 
-    from serving.bench.engines import (VllmEngine, agreement, agreement_line, draft_of, mean_over_passes, pass_order,
-                                       plot_engine_benchmark, run_engine_benchmark, verdict_lines, vllm_sweep_configs)
+    from serving.bench.engines import (VllmEngine, pass_order, plot_engine_benchmark, run_engine_benchmark,
+                                       vllm_sweep_configs)
+    from serving.bench.verdict import agreement, agreement_line, draft_of, mean_over_passes, verdict_lines
     from serving.vllm.extract_server import VllmEngineArgs, intel_openmp_preload
     from storage.lineage import LineageStore
     from tasks.evaluate.offline import prompts_for_benchmark

@@ -188,8 +188,8 @@ def _serving(config: BenchConfig, store: LineageStore, run_id: str, summary: Ben
              target: Path, draft: Path, sets, tokenizer, template, offline_acceptance: float | None,
              expected: list[int] | None, logger) -> None:
     """One engine started here: the baseline, the draft at each K, the engine's n-gram drafting; rows, plot, verdict."""
-    from serving.bench.engines import (ENGINE_NAMES, LlamaCppEngine, agreement, agreement_line, plot_engine_benchmark,
-                                      run_engine_benchmark)
+    from serving.bench.engines import LlamaCppEngine, plot_engine_benchmark, run_engine_benchmark
+    from serving.bench.verdict import ENGINE_NAMES, agreement, agreement_line
     from tasks.evaluate.offline import prompts_for_benchmark
 
     serving = config.serving
@@ -370,7 +370,7 @@ def acceptance_png(report, path: Path) -> Path:
 
 
 def _artifacts(summary: BenchSummary) -> None:
-    from serving.bench.engines import ENGINE_NAMES
+    from serving.bench.verdict import ENGINE_NAMES
 
     create_table_artifact(key="benchmark-acceptance", table=summary.rows,
                           description=f"offline acceptance of {summary.checkpoint or summary.draft_dir} "

@@ -142,7 +142,7 @@ def serving_view(rows: list[dict]) -> tuple[list[str], list[tuple]]:
 
 def print_serving(rows: list[dict], lines: list[str]) -> None:
     """Each engine's table, then its verdict (faster or slower, break-even, lossless, online vs offline)."""
-    from serving.bench.engines import ENGINE_NAMES, SERVER_NAMES
+    from serving.bench.verdict import ENGINE_NAMES, SERVER_NAMES
 
     for engine in dict.fromkeys(r.get("engine", "llamacpp") for r in rows):
         mine = [r for r in rows if r.get("engine", "llamacpp") == engine]
@@ -161,7 +161,7 @@ def print_serving(rows: list[dict], lines: list[str]) -> None:
 
 def serving_lines_from_rows(rows: list[dict]) -> list[str]:
     """The verdict lines of each engine's rows (read back from the store), named by engine as the flow names them."""
-    from serving.bench.engines import ENGINE_NAMES, agreement_line, verdict_lines
+    from serving.bench.verdict import ENGINE_NAMES, agreement_line, verdict_lines
 
     out = []
     for engine in dict.fromkeys(r.get("engine", "llamacpp") for r in rows):

@@ -21,8 +21,8 @@ import pytest
 
 from serving.bench.results import LevelResult, RequestMetrics
 from serving.llamacpp.server import LlamaCppServer
-from serving.bench.engines import (LlamaCppEngine, agreement, agreement_line, compare_outputs, engine_configs,
-                                  plot_engine_benchmark, run_engine_benchmark, verdict_lines)
+from serving.bench.engines import (LlamaCppEngine, compare_outputs, engine_configs, plot_engine_benchmark,
+                                  run_engine_benchmark)
 from serving.bench.online import (BaselineSpeculates, BenchmarkError, ServerConfig, SpecMetricsMissing,
                                   llamacpp_completion, run_online_benchmark)
 from storage.lineage import LineageError, LineageStore
@@ -173,7 +173,7 @@ def test_the_lossless_check_counts_and_names_the_first_divergence():
     assert diff.summary() == "1/3 (first divergence: prompt 1, new token 1: 9 instead of 5)"
 
 
-def test_configs_verdict_and_agreement_from_rows():
+def test_llamacpp_configs_and_their_speculation_flags():
     configs = engine_configs(Path("d.gguf"), [1, 3], "ngram-mod", 4)
     assert [(c.label, c.drafter, c.k) for c in configs] == [
         ("baseline", "baseline", None), ("eagle3-k1", "eagle3", 1), ("eagle3-k3", "eagle3", 3),
@@ -184,31 +184,6 @@ def test_configs_verdict_and_agreement_from_rows():
         == ["--spec-ngram-simple-size-m", "3", "--spec-ngram-simple-size-n", "3"]
     with pytest.raises(ValueError, match="needs the draft GGUF"):
         engine_configs(None, [1], None)
-    rows = [{"config": "baseline", "drafter": "baseline", "k": None, "concurrency": 1, "speedup_vs_baseline": 1.0,
-             "output_tok_s": 100.0, "baseline_recheck_tok_s": 95.0, "baseline_recheck_identical": True},
-            {"config": "eagle3-k1", "drafter": "eagle3", "k": 1, "concurrency": 1, "speedup_vs_baseline": 0.6,
-             "acceptance": 1.5, "accept_needed": 2.4, "lossless": "6/6", "lossless_identical": 6, "lossless_total": 6},
-            {"config": "eagle3-k3", "drafter": "eagle3", "k": 3, "concurrency": 1, "speedup_vs_baseline": 0.4,
-             "acceptance": 1.8, "accept_needed": 4.2, "lossless": "5/6 (first divergence: ...)",
-             "lossless_identical": 5, "lossless_total": 6}]
-    lines = verdict_lines(rows)
-    assert lines[0].startswith("concurrency 1: on llama.cpp the EAGLE-3 draft is slower than the baseline: best 0.60x "
-                               "(eagle3-k1)")
-    assert "k=1 needs 2.40 (measured 1.50), k=3 needs 4.20 (measured 1.80)" in lines[0]
-    with_ngram = [rows[0], {**rows[1], "output_tok_s": 60.0},
-                  {"config": "ngram-simple-k3", "drafter": "ngram-simple", "k": 3, "concurrency": 1,
-                   "speedup_vs_baseline": 1.2, "output_tok_s": 120.0, "acceptance": 1.3}]
-    assert ("best 0.60x (eagle3-k1); 0.50x as fast as llama.cpp's ngram-simple-k3; to match it eagle3-k1 needs "
-            "acceptance 3.00 (measured 1.50, 50% short).") in verdict_lines(with_ngram)[0]
-    assert lines[-1].endswith("NOT LOSSLESS") and "eagle3-k3 5/6" in lines[-1]
-    assert not any(line.startswith("WARNING") for line in lines)
-    drifted = [{**rows[0], "output_tok_s": 100.0, "baseline_recheck_tok_s": 70.0, "baseline_recheck_identical": True},
-               *rows[1:]]
-    assert verdict_lines(drifted)[0].startswith("WARNING: the baseline ran at 100.0 tok/s first and 70.0 tok/s")
-    item = agreement(rows, 3, 1.9)
-    assert item["ratio"] == round(1.8 / 1.9, 3) and item["within_tolerance"] is True
-    assert "ratio 0.947 (within 10%)" in agreement_line(item, 3)
-    assert agreement(rows, 4, 1.9) is None and "no k=4" in agreement_line(None, 4)
 
 
 # ---------------------------------------------------------------- the benchmark flow, end to end

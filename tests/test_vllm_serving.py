@@ -18,7 +18,7 @@ import pytest
 
 from serving.bench.results import BaselineSpeculates, BenchmarkError, LevelResult, RequestMetrics, SpecMetricsMissing
 from serving.vllm.doctor_live import loaded_checks
-from serving.bench.engines import mean_over_passes, pass_order, verdict_lines, vllm_engine_configs, vllm_sweep_configs
+from serving.bench.engines import pass_order, vllm_engine_configs, vllm_sweep_configs
 from serving.bench.online import ServerConfig, vllm_completion
 from serving.vllm.extract_server import VllmEngineArgs, VllmServer, intel_openmp_preload
 from serving.vllm.server import LoadedDraft, VllmSpecServer, VllmSpeculation, read_loaded_draft
@@ -135,20 +135,6 @@ def test_vllm_speculation_flags_and_configs(tmp_path):
     assert "--speculative-config" not in VllmSpecServer(VllmEngineArgs(model=tmp_path / "target")).command()
 
 
-def test_the_verdict_compares_the_draft_with_the_engines_ngram():
-    rows = [{"engine": "vllm", "config": "baseline", "drafter": "baseline", "k": None, "concurrency": 1,
-             "speedup_vs_baseline": 1.0, "output_tok_s": 40.0},
-            {"engine": "vllm", "config": "eagle3-k1", "drafter": "eagle3", "k": 1, "concurrency": 1,
-             "speedup_vs_baseline": 1.2, "output_tok_s": 48.0, "acceptance": 1.35, "accept_needed": 1.12},
-            {"engine": "vllm", "config": "ngram-k3", "drafter": "ngram", "k": 3, "concurrency": 1,
-             "speedup_vs_baseline": 1.0, "output_tok_s": 40.0, "acceptance": 1.1}]
-    lines = verdict_lines(rows)
-    assert lines[0].startswith("concurrency 1: on vLLM the EAGLE-3 draft is faster than the baseline: best 1.20x "
-                               "(eagle3-k1); 1.20x as fast as vLLM's ngram-k3.")
-    assert "k=1 needs 1.12 (measured 1.35)" in lines[0]
-    assert lines[1] == "concurrency 1: vLLM's ngram-k3: 1.00x the baseline, acceptance 1.10."
-
-
 def test_the_goal_sweep_serves_several_drafts_and_every_ngram_window(tmp_path):
     """Issue 42's sweep: each draft at each k, the n-gram at each k and window; labels unique, flags per config."""
     drafts = {"ours": tmp_path / "a", "speculators": tmp_path / "b"}
@@ -164,39 +150,6 @@ def test_the_goal_sweep_serves_several_drafts_and_every_ngram_window(tmp_path):
         vllm_sweep_configs({}, [], [3, 3], [(1, 3)])
 
 
-def _row(config, drafter, k, tok_s, **extra):
-    return {"engine": "vllm", "config": config, "drafter": drafter, "k": k, "concurrency": 1, "output_tok_s": tok_s,
-            "speedup_vs_baseline": None, **extra}
-
-
-def test_two_passes_average_the_speeds_and_the_verdict_takes_each_draft_against_the_fastest_ngram():
-    one = [_row("baseline", "baseline", None, 40.0),
-           _row("eagle3-ours-k2", "eagle3", 2, 50.0, acceptance=1.5, lossless_identical=64, lossless_total=64, lossless="64/64 identical"),
-           _row("eagle3-theirs-k2", "eagle3", 2, 44.0, acceptance=1.3, lossless_identical=64, lossless_total=64, lossless="64/64 identical"),
-           _row("ngram-k3", "ngram", 3, 52.0, acceptance=1.4, lossless_identical=64, lossless_total=64, lossless="64/64 identical"),
-           _row("ngram-k3-2:4", "ngram", 3, 48.0, acceptance=1.3, lossless_identical=64, lossless_total=64, lossless="64/64 identical")]
-    two = [{**r, "output_tok_s": r["output_tok_s"] * 1.1} for r in one]
-    two[1] = {**two[1], "lossless_identical": 63, "lossless": "63/64 identical"}
-    two = [two[0], *two[:0:-1]]  # the second pass ran in reverse order after the baseline (pass_order)
-    rows = mean_over_passes([one, two])
-    assert [r["config"] for r in rows] == [r["config"] for r in one]  # the first pass's order
-    by = {r["config"]: r for r in rows}
-    assert by["baseline"]["output_tok_s"] == 42.0 and by["baseline"]["output_tok_s_by_pass"] == [40.0, 44.0]
-    assert by["eagle3-ours-k2"]["speedup_vs_baseline"] == 1.25  # the ratio of the means, a drift shared by all
-    assert by["eagle3-ours-k2"]["lossless_identical"] == 63  # the worst pass, never the best
-    assert by["eagle3-ours-k2"]["lossless"] == "63/64 identical"
-    lines = verdict_lines(rows)
-    ours = next(line for line in lines if "(eagle3-ours)" in line)
-    assert "best 1.25x (eagle3-ours-k2); 0.96x as fast as vLLM's ngram-k3 (the fastest of its 2 n-gram" in ours
-    # at its own round cost, 1.5 x 54.6 / 52.5 tokens a round would serve as fast as the n-gram
-    assert "to match it eagle3-ours-k2 needs acceptance 1.56 (measured 1.50, 4% short)" in ours
-    assert any("(eagle3-theirs)" in line and "best 1.10x" in line for line in lines)
-    with pytest.raises(ValueError, match="same configs"):
-        mean_over_passes([one, one[:-1]])
-    with pytest.raises(ValueError, match="same configs"):  # a config twice in a pass is not a reordering
-        mean_over_passes([one, [*one[:-1], one[1]]])
-
-
 def test_odd_passes_run_the_configs_in_reverse_after_the_baseline():
     configs = vllm_sweep_configs({"ours": Path("/d")}, [1, 2], [3], [(1, 3), (2, 4)])
     labels = [c.label for c in configs]
@@ -204,19 +157,6 @@ def test_odd_passes_run_the_configs_in_reverse_after_the_baseline():
     again = [c.label for c in pass_order(configs, 1)]
     assert again[0] == labels[0] == "baseline" and again[1:] == labels[:0:-1]
     assert [c.label for c in pass_order(configs, 2)] == labels
-
-
-def test_the_mean_of_two_passes_recomputes_the_break_even_from_the_mean_round_cost():
-    one = [_row("baseline", "baseline", None, 10.0),
-           {**_row("eagle3-ours-k2", "eagle3", 2, 12.0, acceptance=1.5), "ms_per_verify_round": 125.0,
-            "accept_needed": 1.25}]
-    two = [_row("baseline", "baseline", None, 14.0),
-           {**_row("eagle3-ours-k2", "eagle3", 2, 15.0, acceptance=1.5), "ms_per_verify_round": 100.0,
-            "accept_needed": 1.4}]
-    ours = {r["config"]: r for r in mean_over_passes([one, two])}["eagle3-ours-k2"]
-    assert ours["ms_per_verify_round"] == 112.5 and ours["ms_per_verify_round_by_pass"] == [125.0, 100.0]
-    # 112.5 ms a round against the mean baseline's 1/12 s a token, neither pass's 1.25 or 1.4
-    assert ours["accept_needed"] == 1.35 and ours["predicted_speedup"] == round(1.5 / 1.35, 3)
 
 
 # ---------------------------------------------------------------- a real vLLM
