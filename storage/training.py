@@ -1,9 +1,10 @@
-"""Train's rows: each training run's identity, its metrics per step, and the rounds it trained.
+"""Train's rows: each training run's identity, its metrics per step, its validations, and the rounds it trained.
 
-Owns the tables `train_runs`, `train_metrics` and `train_rounds` (which shards a round takes is
-`storage.extraction`'s; the checkpoints it exports are `storage.checkpoints`'). Promises: a
-training run's identity is registered once, by name, and kept; metrics are keyed by (run, step),
-so steps redone after a resume replace their first record; a round is recorded once.
+Owns the tables `train_runs`, `train_metrics`, `train_validations` and `train_rounds` (which shards a
+round takes is `storage.extraction`'s; the checkpoints it exports are `storage.checkpoints`').
+Promises: a training run's identity is registered once, by name, and kept; metrics are keyed by
+(run, step) and validations by (run, round, step), so steps redone after a resume replace their
+first record (a validation once kept as the best so far stays marked kept); a round is recorded once.
 """
 
 from __future__ import annotations
@@ -46,6 +47,26 @@ class TrainingRuns:
         """Every metrics row of a training run, by step."""
         with self.db.read() as con:
             return dict_rows(con.execute("SELECT * FROM train_metrics WHERE run_name = ? ORDER BY step", [run_name]))
+
+    def write_validation(self, run_id: str, run_name: str, round_index: int, validation: dict, kept: bool) -> None:
+        """One validation (`Validation.to_json()`) of the run's round, written when it is measured, so that a run
+        resumed after a kill still reports it."""
+        v = validation
+        with self.db.write() as con:
+            con.execute(
+                "INSERT INTO train_validations VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                # a step validated again after a resume finds its draft kept already (keep_if_best says False)
+                "ON CONFLICT DO UPDATE SET kept = train_validations.kept OR EXCLUDED.kept, run_id = EXCLUDED.run_id, "
+                "recorded_at = EXCLUDED.recorded_at",
+                [run_name, round_index, v["step"], v["epoch"], v["samples"], v["positions"], v["accuracy"],
+                 v["conditional_accuracy"], v["expected_acceptance"], kept, run_id, utc_now()])
+
+    def validations(self, run_name: str) -> list[dict]:
+        """Every validation of a training run, from every invocation, by round and step."""
+        with self.db.read() as con:
+            return dict_rows(con.execute(
+                "SELECT step, epoch, samples, positions, accuracy, conditional_accuracy, expected_acceptance, "
+                "round, kept FROM train_validations WHERE run_name = ? ORDER BY round, step", [run_name]))
 
     def write_round(self, run_id: str, run_name: str, round_index: int, shards: list[str], samples: int,
                     epochs: int, last_step: int) -> None:

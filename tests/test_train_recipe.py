@@ -1,6 +1,6 @@
 """The training recipe's levers (issue 42) on a real Prefect API and DuckDB file with a tiny random target:
-a frozen target head, validation samples held out with the best draft exported, cosine decay over the
-run's own steps, bf16 autocast on the CPU, and the device a run asks for."""
+a frozen target head, validation samples held out with the best draft exported (and every validation of a run
+reported after a resume), cosine decay over the run's own steps, bf16 autocast on the CPU, and the device a run asks for."""
 
 from __future__ import annotations
 
@@ -160,6 +160,27 @@ def test_validation_exports_the_best_draft_of_the_round_not_the_last(extracted, 
     assert s.exports["sglang"].endswith(f"sglang-step-{best['step']:08d}")
     row = LineageStore(ws / "lineage.duckdb").checkpoints.find(fmt="sglang")
     assert row["step"] == best["step"]
+
+
+@pytest.mark.slow
+def test_a_run_resumed_after_a_stop_reports_every_validation_of_the_run(extracted, tiny_target):
+    ws = extracted
+    recipe = {"epochs": 4, "validation_samples": 4, "validate_every": 2, "lr": 1e-2}
+    cut = train(_config(ws, tiny_target, max_steps=5, **recipe))
+    assert cut.stopped_by == "max_steps" and [v["step"] for v in cut.validations] == [2, 4]
+    assert cut.tokens_this_run == cut.tokens > 0
+    resumed = train(_config(ws, tiny_target, **recipe))
+    assert resumed.resumed_from_step == cut.step
+    assert 0 < resumed.tokens_this_run < resumed.tokens  # its speed is over the steps it trained itself
+    assert resumed.validations[:2] == cut.validations  # the validations from before the stop, kept flags included
+    assert resumed.validations == LineageStore(ws / "lineage.duckdb").training.validations("t")
+    # the same recipe trained without a stop (the kept shards replayed): the same validations, bit for bit
+    whole = train(_config(ws, tiny_target, run_name="whole", replay_kept_shards=True, **recipe))
+    assert whole.resumed_from_step is None and whole.step == resumed.step
+    assert [(v["step"], v["expected_acceptance"], v["kept"]) for v in whole.validations] == \
+        [(v["step"], v["expected_acceptance"], v["kept"]) for v in resumed.validations]
+    best = max(resumed.validations, key=lambda v: (v["expected_acceptance"], -v["step"]))
+    assert resumed.exported_step == best["step"]  # chosen over both invocations
 
 
 @pytest.mark.slow

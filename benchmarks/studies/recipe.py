@@ -271,8 +271,12 @@ def train_arm(data_cfg, arm: str, seed: int, store) -> dict:
     s = train(cfg)
     info = {"run_name": cfg.run_name, "train": {k: v for k, v in ARMS[arm].items()}, "seed": seed,
             "steps": s.step, "trained_positions": s.tokens}
-    if s.steps_this_run and s.resumed_from_step is None:  # trained whole now: its speed (a resumed run's is partial)
-        info.update(train_s=time.monotonic() - t0, train_tok_s=s.tokens / max(s.seconds, 1e-9))
+    if s.steps_this_run and s.resumed_from_step is None:  # trained whole now: its wall time
+        info["train_s"] = time.monotonic() - t0
+    if s.steps_this_run:  # this invocation's speed: a resumed run's is measured over the steps it trained
+        info["train_tok_s"] = s.tokens_this_run / max(s.seconds, 1e-9)
+        if s.resumed_from_step is not None:
+            info["resumed_from_step"] = s.resumed_from_step
     if s.validations:
         info["validations"] = [{k: v[k] for k in ("step", "epoch", "expected_acceptance")} for v in s.validations]
     export_format = cfg.export_formats[0]  # sglang, or speculators for a draft only vLLM serves

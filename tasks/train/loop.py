@@ -71,10 +71,11 @@ class TrainSummary:
     exports: dict[str, str] = field(default_factory=dict)
     export_seconds: dict[str, float] = field(default_factory=dict)
     curves_png: str | None = None
-    validations: list[dict] = field(default_factory=list)  # this invocation's, in order
+    validations: list[dict] = field(default_factory=list)  # the run's, every invocation's, by round and step
     exported_step: int | None = None  # the step of the draft the last round exported (the best validated one)
     exported_expected_acceptance: float | None = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # this invocation's
+    tokens_this_run: int = 0  # trained positions of this invocation: over `seconds`, its speed, resumed or not
     world_size: int = 1
 
 
@@ -173,6 +174,7 @@ def run_training(config: TrainConfig, store: LineageStore, run_id: str, dist: Di
         state = load_checkpoint(existing[-1], draft, optimizer, run_identity)
         summary.resumed_from_step = state.step
         logger.info("resumed %s from %s (step %d)", config.run_name, existing[-1].name, state.step)
+    tokens_at_start = state.tokens
 
     shard_store = ShardStore(ws / "shards", 1 << 62)  # reading only: the budget is extract's concern
     online_samples: list[Sample] | None = None
@@ -232,7 +234,7 @@ def run_training(config: TrainConfig, store: LineageStore, run_id: str, dist: Di
             val_batches = validation_batches([r for it in held_out for r in plain.records([it], 0)],
                                              config.batch_tokens)
             validator = _validator(config, draft, val_batches, target_head, ckpt_root, pos.round_index, state,
-                                   summary, dist, logger)
+                                   store, run_id, dist, logger)
         if config.schedule != "constant" and config.total_steps is None:
             # One cycle per round (warmup, then a cosine or linear decay over all its epochs): each round's
             # export is a decayed draft, and a round extracted later trains at full lr again rather than at
@@ -279,21 +281,25 @@ def run_training(config: TrainConfig, store: LineageStore, run_id: str, dist: Di
     if summary.stopped_by == "max_steps":
         checkpoint()
     summary.step, summary.rounds_done, summary.tokens = state.step, state.rounds_done, state.tokens
+    summary.tokens_this_run = state.tokens - tokens_at_start
+    if dist.main:
+        summary.validations = store.training.validations(config.run_name)
     summary.seconds = time.monotonic() - started
     return summary
 
 
 def _validator(config: TrainConfig, draft: Eagle3Draft, batches, target_head: torch.Tensor, ckpt_root: Path,
-               round_index: int, state: TrainState, summary: TrainSummary, dist: Dist, logger
+               round_index: int, state: TrainState, store: LineageStore, run_id: str, dist: Dist, logger
                ) -> Callable[[int], Validation | None]:
-    """Measure the draft on the round's held-out samples and keep it when it is the round's best (rank 0)."""
+    """Measure the draft on the round's held-out samples, record the validation in the lineage store and keep the
+    draft when it is the round's best (rank 0)."""
     def run(epoch: int) -> Validation | None:
         if not dist.main:
             return None
         v = validate(draft, batches, ttt_steps=config.ttt_steps, target_head=target_head, step=state.step,
                      epoch=epoch)
         kept = keep_if_best(ckpt_root, round_index, draft, v)
-        summary.validations.append({**v.to_json(), "round": round_index, "kept": kept})
+        store.training.write_validation(run_id, config.run_name, round_index, v.to_json(), kept)
         logger.info("validation at step %d: expected acceptance %.3f (acc %s)%s", v.step, v.expected_acceptance,
                     " ".join(f"{a:.3f}" for a in v.conditional_accuracy), ", the best so far" if kept else "")
         return v
