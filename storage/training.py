@@ -4,7 +4,7 @@ Owns the tables `train_runs`, `train_metrics`, `train_validations` and `train_ro
 round takes is `storage.extraction`'s; the checkpoints it exports are `storage.checkpoints`').
 Promises: a training run's identity is registered once, by name, and kept; metrics are keyed by
 (run, step) and validations by (run, round, step), so steps redone after a resume replace their
-first record (a validation once kept as the best so far stays marked kept); a round is recorded once.
+first record; a round is recorded once.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from storage.schema import METRIC_ROWS
 
 
 class TrainingRuns:
-    """Training runs, their metrics and their rounds."""
+    """Training runs, their metrics, their validations and their rounds."""
 
     def __init__(self, db: DuckDBFile):
         self.db = db
@@ -54,10 +54,7 @@ class TrainingRuns:
         v = validation
         with self.db.write() as con:
             con.execute(
-                "INSERT INTO train_validations VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
-                # a step validated again after a resume finds its draft kept already (keep_if_best says False)
-                "ON CONFLICT DO UPDATE SET kept = train_validations.kept OR EXCLUDED.kept, run_id = EXCLUDED.run_id, "
-                "recorded_at = EXCLUDED.recorded_at",
+                "INSERT OR REPLACE INTO train_validations VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [run_name, round_index, v["step"], v["epoch"], v["samples"], v["positions"], v["accuracy"],
                  v["conditional_accuracy"], v["expected_acceptance"], kept, run_id, utc_now()])
 

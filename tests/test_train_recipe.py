@@ -5,6 +5,7 @@ reported after a resume), cosine decay over the run's own steps, bf16 autocast o
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -169,8 +170,9 @@ def test_a_run_resumed_after_a_stop_reports_every_validation_of_the_run(extracte
     cut = train(_config(ws, tiny_target, max_steps=5, **recipe))
     assert cut.stopped_by == "max_steps" and [v["step"] for v in cut.validations] == [2, 4]
     assert cut.tokens_this_run == cut.tokens > 0
-    resumed = train(_config(ws, tiny_target, **recipe))
-    assert resumed.resumed_from_step == cut.step
+    shutil.rmtree(list_checkpoints(ws / "checkpoints" / "t")[-1])  # as if killed before the stop's checkpoint
+    resumed = train(_config(ws, tiny_target, **recipe))  # redoes steps 4-5 and validates step 4 again
+    assert resumed.resumed_from_step == 3
     assert 0 < resumed.tokens_this_run < resumed.tokens  # its speed is over the steps it trained itself
     assert resumed.validations[:2] == cut.validations  # the validations from before the stop, kept flags included
     assert resumed.validations == LineageStore(ws / "lineage.duckdb").training.validations("t")

@@ -392,7 +392,8 @@ def report(results: Path) -> str:
                      f"{ratio(r, lookup, 'heldout_chat')} | {r['eagle3_humaneval']:.3f} | "
                      f"{ratio(r, base, 'humaneval') if key != 'base/s0' else '1'} | {ratio(r, lookup, 'humaneval')} | "
                      f"{steps} | {fmt(r.get('exported_expected_acceptance'))} | "
-                     f"{'-' if r.get('train_tok_s') is None else round(r['train_tok_s'])} |")
+                     f"{'-' if r.get('train_tok_s') is None else round(r['train_tok_s'])}"
+                     f"{' (resumed)' if r.get('resumed_from_step') is not None else ''} |")
     if lookup is not None:
         lines += ["", f"prompt lookup: held-out chat {lookup['lookup_heldout_chat']:.3f}, HumanEval "
                       f"{lookup['lookup_humaneval']:.3f} ({lookup['chat_prompts']} and {lookup['humaneval_prompts']} "

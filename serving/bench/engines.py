@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from serving.bench.results import BreakEven, LevelResult, OnlineBenchResult
+from serving.bench.results import BreakEven, LevelResult, OnlineBenchResult, rounded
 from serving.llamacpp.server import LlamaCppServer, Speculation
 from serving.bench.online import ServerConfig, run_online_benchmark
-from serving.bench.verdict import BASELINE, rounded, verdict_lines
+from serving.bench.verdict import BASELINE, verdict_lines
 from serving.process import ManagedServer
 from serving.vllm.extract_server import VllmEngineArgs
 from serving.vllm.server import VllmSpecServer, VllmSpeculation

@@ -64,7 +64,7 @@ class RequestMetrics:
         return {"config": self.config, "concurrency": self.concurrency, "prompt_index": self.prompt_index,
                 "completion_tokens": self.completion_tokens, "ttft_ms": _ms(self.ttft_s),
                 "latency_ms": _ms(self.latency_s), "spec_verify_ct": self.spec_verify_ct,
-                "accept_length": _round(self.accept_length), "draft_n": self.draft_n,
+                "accept_length": rounded(self.accept_length), "draft_n": self.draft_n,
                 "draft_n_accepted": self.draft_n_accepted, "finish_reason": self.finish_reason,
                 "tokens_source": self.tokens_source}
 
@@ -171,10 +171,10 @@ class LevelResult:
                 "ttft_p50_ms": _ms(self.ttft_quantile(0.5)), "ttft_p90_ms": _ms(self.ttft_quantile(0.9)),
                 "latency_mean_ms": _ms(self.latency_mean_s), "latency_p50_ms": _ms(self.latency_quantile(0.5)),
                 "latency_p90_ms": _ms(self.latency_quantile(0.9)), "spec_verify_ct": self.spec_verify_ct,
-                "accept_len_token_weighted": _round(self.accept_length_token_weighted),
-                "accept_len_request_mean": _round(self.accept_length_request_mean),
+                "accept_len_token_weighted": rounded(self.accept_length_token_weighted),
+                "accept_len_request_mean": rounded(self.accept_length_request_mean),
                 "draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted,
-                "draft_accept_rate": _round(self.draft_accept_rate),
+                "draft_accept_rate": rounded(self.draft_accept_rate),
                 "accept_rate_by_position": _rounds(self.position_accept_rate)}
 
     def to_rows(self) -> list[dict[str, Any]]:
@@ -206,9 +206,9 @@ class BreakEven:
                 "baseline_tok_s": round(self.baseline_tok_s, 2), "spec_tok_s": round(self.spec_tok_s, 2),
                 "baseline_ms_per_token": _ms(self.baseline_time_per_token_s),
                 "ms_per_verify_round": _ms(self.time_per_verify_round_s),
-                "accept_len_measured_token_weighted": _round(self.measured_accept_length),
-                "accept_len_needed": _round(self.needed_accept_length),
-                "predicted_speedup": _round(self.predicted_speedup), "speedup": _round(self.speedup),
+                "accept_len_measured_token_weighted": rounded(self.measured_accept_length),
+                "accept_len_needed": rounded(self.needed_accept_length),
+                "predicted_speedup": rounded(self.predicted_speedup), "speedup": rounded(self.speedup),
                 "beats_baseline": self.beats_baseline}
 
 
@@ -325,7 +325,8 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 2)
 
 
-def _round(x: float | None, digits: int = 3) -> float | None:
+def rounded(x: float | None, digits: int = 3) -> float | None:
+    """`x` rounded for a summary row; None stays None."""
     return None if x is None else round(x, digits)
 
 

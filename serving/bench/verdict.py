@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from serving.bench.results import needed_accept_length
+from serving.bench.results import needed_accept_length, rounded
 
 ENGINE_NAMES: dict[str, str] = {"llamacpp": "llama.cpp", "vllm": "vLLM"}  # as a reader knows them
 SERVER_NAMES: dict[str, str] = {"llamacpp": "llama-server", "vllm": "vLLM"}
@@ -166,11 +166,6 @@ def _agreement_line(item: dict[str, Any] | None, offline_k: int) -> str:
     server = SERVER_NAMES[item.get("engine", "llamacpp")]
     return (f"online vs offline acceptance at k={offline_k}, same prompts: {server} {item['online']:.3f}, offline "
             f"evaluator {item['offline']:.3f}, ratio {item['ratio']:.3f} ({within} {AGREEMENT_TOLERANCE:.0%})")
-
-
-def rounded(x: float | None, digits: int = 3) -> float | None:
-    """`x` rounded for a summary row; None stays None."""
-    return None if x is None else round(x, digits)
 
 
 def _fmt(x: float | None) -> str:

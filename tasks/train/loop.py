@@ -71,7 +71,7 @@ class TrainSummary:
     exports: dict[str, str] = field(default_factory=dict)
     export_seconds: dict[str, float] = field(default_factory=dict)
     curves_png: str | None = None
-    validations: list[dict] = field(default_factory=list)  # the run's, every invocation's, by round and step
+    validations: list[dict] = field(default_factory=list)  # rank 0: the run's, every invocation's, by round and step
     exported_step: int | None = None  # the step of the draft the last round exported (the best validated one)
     exported_expected_acceptance: float | None = None
     seconds: float = 0.0  # this invocation's

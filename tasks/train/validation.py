@@ -132,8 +132,11 @@ def read_best(ckpt_root: Path, round_index: int) -> Validation | None:
 
 def keep_if_best(ckpt_root: Path, round_index: int, draft: Eagle3Draft, v: Validation) -> bool:
     """Save the draft as the round's best when `v` beats the best so far (ties keep the earlier draft);
-    the folder it replaces is removed only once the new one is in place."""
+    the folder it replaces is removed only once the new one is in place. True when the draft of `v`'s step is the
+    kept one, including a step validated again after a resume whose draft was kept before the stop."""
     best = read_best(ckpt_root, round_index)
+    if best is not None and best.step == v.step:  # the same step validated again after a resume: its draft is kept
+        return True
     if best is not None and v.expected_acceptance <= best.expected_acceptance:
         return False
     weights = model_weights(draft)
@@ -143,8 +146,8 @@ def keep_if_best(ckpt_root: Path, round_index: int, draft: Eagle3Draft, v: Valid
         (tmp / BEST_INFO).write_text(json.dumps(v.to_json(), indent=1))
 
     folder = ckpt_root / f"best-round-{round_index:04d}-step-{v.step:08d}"
-    if folder.exists():  # the same step validated again after a resume: that draft is kept already
-        return False
+    if folder.exists():  # written before a kill that left the folder it replaces (best_folders)
+        return True
     write_folder_atomically(folder, write)
     for old in best_folders(ckpt_root, round_index):
         if old != folder:
