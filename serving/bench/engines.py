@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from serving.bench.results import BreakEven, LevelResult, OnlineBenchResult, rounded
+from serving.bench.results import BreakEven, LevelResult, OnlineBenchResult, rounded, rounded_all
 from serving.llamacpp.server import LlamaCppServer, Speculation
 from serving.bench.online import ServerConfig, run_online_benchmark
 from serving.bench.verdict import BASELINE, verdict_lines
@@ -283,8 +283,7 @@ class EngineBenchResult:
                 "acceptance_request_mean": rounded(lv.accept_length_request_mean),
                 "draft_n": lv.draft_n, "draft_n_accepted": lv.draft_n_accepted,
                 "draft_accept_rate": rounded(lv.draft_accept_rate),
-                "accept_rate_by_position": None if lv.position_accept_rate is None else
-                [rounded(x) for x in lv.position_accept_rate],
+                "accept_rate_by_position": rounded_all(lv.position_accept_rate),
                 "lossless": None if check is None else check.summary(),
                 "lossless_identical": None if check is None else check.identical,
                 "lossless_total": None if check is None else check.total,

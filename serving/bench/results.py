@@ -175,7 +175,7 @@ class LevelResult:
                 "accept_len_request_mean": rounded(self.accept_length_request_mean),
                 "draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted,
                 "draft_accept_rate": rounded(self.draft_accept_rate),
-                "accept_rate_by_position": _rounds(self.position_accept_rate)}
+                "accept_rate_by_position": rounded_all(self.position_accept_rate)}
 
     def to_rows(self) -> list[dict[str, Any]]:
         """One row per request."""
@@ -330,5 +330,6 @@ def rounded(x: float | None, digits: int = 3) -> float | None:
     return None if x is None else round(x, digits)
 
 
-def _rounds(xs: Sequence[float] | None, digits: int = 3) -> list[float] | None:
+def rounded_all(xs: Sequence[float] | None, digits: int = 3) -> list[float] | None:
+    """Each of `xs` rounded for a summary row; None stays None."""
     return None if xs is None else [round(x, digits) for x in xs]
